@@ -1,0 +1,151 @@
+"""Flat buffers and the plans that map parameters onto them. Bookkeeping only: every
+transfer goes through :mod:`shardopt.comm`.
+
+:class:`ParamGather` re-synchronises parameters after a sharded optimizer step: each rank
+updated only the parameters it owns and every rank needs all of them.
+
+Note [gather by rank streams]
+For each (device, dtype), lay each rank's owned parameters end to end in the partition's
+order: that is the rank's *stream*. Streams differ in length; pad them to the longest one
+and cut that length into chunks of ``bucket_numel`` elements. Chunk ``k`` is one
+``all_gather`` in which every rank contributes elements ``[k*C, (k+1)*C)`` of its own
+stream. On gloo an all-gather sends ``(N-1)/N`` of the gathered bytes per rank, the least any
+scheme can (each rank must receive what the others updated), and it is one collective per
+chunk, never one per parameter. Padding costs ``(N-1) * (longest - own)`` elements, which the
+size-balanced partition keeps small. Temporary memory is ``(N+1) * C`` elements per chunk
+in flight, with at most two chunks in flight.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from shardopt import comm
+from shardopt.partition import Partition
+
+__all__ = ["ParamGather", "DEFAULT_GATHER_BUCKET_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GATHER_BUCKET_BYTES = 2**24
+_MAX_CHUNKS_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """One (device, dtype) class of parameters, split into per-rank streams."""
+
+    device: torch.device
+    dtype: torch.dtype
+    params_by_rank: tuple[tuple[torch.Tensor, ...], ...]
+    starts_by_rank: tuple[tuple[int, ...], ...]  # stream offset of each param
+    longest: int
+
+
+class ParamGather:
+    """Brings every rank's updated parameters to all ranks (see Note [gather by rank streams]).
+
+    Args:
+        params: the parameters the partition covers, in its order.
+        partition: who owns what.
+        rank: this process's rank in ``group``.
+        group: the process group.
+        bucket_bytes: bytes per rank contribution per collective.
+        fp16: send fp32 parameters as fp16 (halves the bytes; receivers get rounded values,
+            the owner keeps full precision).
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        partition: Partition,
+        rank: int,
+        group: comm.ProcessGroup | None,
+        bucket_bytes: int = DEFAULT_GATHER_BUCKET_BYTES,
+        fp16: bool = False,
+    ) -> None:
+        self._rank = rank
+        self._group = group
+        self._num_ranks = partition.num_ranks
+        self._bucket_bytes = bucket_bytes
+        self._fp16 = fp16
+        classes: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+        for param, owner, size in zip(params, partition.owners, partition.sizes):
+            if size == 0:
+                continue  # frozen: nothing changes, nothing to send
+            key = (param.device, param.dtype)
+            classes.setdefault(key, [[] for _ in range(self._num_ranks)])[owner].append(param)
+        self._streams: list[_Stream] = []
+        for (device, dtype), by_rank in sorted(classes.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+            starts = []
+            for ps in by_rank:
+                offsets, total = [], 0
+                for p in ps:
+                    offsets.append(total)
+                    total += p.numel()
+                starts.append(tuple(offsets + [total]))
+            self._streams.append(
+                _Stream(device, dtype, tuple(tuple(ps) for ps in by_rank), tuple(starts), max(s[-1] for s in starts))
+            )
+
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float16 if self._fp16 and dtype == torch.float32 else dtype
+
+    def gather(self) -> None:
+        """Run the gather; on return every rank holds every owner's current values."""
+        if self._num_ranks == 1:
+            return
+        in_flight: deque[tuple[comm.PendingWork, _Stream, int, int, torch.Tensor]] = deque()
+        for stream in self._streams:
+            wire = self._wire_dtype(stream.dtype)
+            chunk = max(1, self._bucket_bytes // torch.empty((), dtype=wire).element_size())
+            chunk = min(chunk, stream.longest)
+            for begin in range(0, stream.longest, chunk):
+                length = min(chunk, stream.longest - begin)
+                recv = torch.empty(self._num_ranks * length, dtype=wire, device=stream.device)
+                mine = recv[self._rank * length : (self._rank + 1) * length]
+                self._pack(stream, self._rank, begin, mine)
+                pending = comm.all_gather_into(recv, mine, self._group, label="shardopt::oss::param_gather")
+                in_flight.append((pending, stream, begin, length, recv))
+                if len(in_flight) >= _MAX_CHUNKS_IN_FLIGHT:
+                    self._finish(*in_flight.popleft())
+        while in_flight:
+            self._finish(*in_flight.popleft())
+
+    def _finish(self, pending: comm.PendingWork, stream: _Stream, begin: int, length: int, recv: torch.Tensor) -> None:
+        pending.wait()
+        for rank in range(self._num_ranks):
+            if rank != self._rank:
+                self._unpack(stream, rank, begin, recv[rank * length : (rank + 1) * length])
+
+    @staticmethod
+    def _overlaps(stream: _Stream, rank: int, begin: int, length: int) -> list[tuple[torch.Tensor, int, int, int]]:
+        """(param, offset in param, offset in chunk, count) for each param piece in the window."""
+        starts = stream.starts_by_rank[rank]
+        params = stream.params_by_rank[rank]
+        end = min(begin + length, starts[-1])
+        pieces = []
+        i = max(0, bisect.bisect_right(starts, begin) - 1)
+        while i < len(params) and starts[i] < end:
+            lo, hi = max(begin, starts[i]), min(end, starts[i + 1])
+            if hi > lo:
+                pieces.append((params[i], lo - starts[i], lo - begin, hi - lo))
+            i += 1
+        return pieces
+
+    def _pack(self, stream: _Stream, rank: int, begin: int, out: torch.Tensor) -> None:
+        filled = 0
+        for param, p_off, c_off, count in self._overlaps(stream, rank, begin, out.numel()):
+            out[c_off : c_off + count].copy_(param.detach().reshape(-1)[p_off : p_off + count])
+            filled = c_off + count
+        out[filled:].zero_()
+
+    def _unpack(self, stream: _Stream, rank: int, begin: int, chunk: torch.Tensor) -> None:
+        with torch.no_grad():
+            for param, p_off, c_off, count in self._overlaps(stream, rank, begin, chunk.numel()):
+                param.view(-1)[p_off : p_off + count].copy_(chunk[c_off : c_off + count])

@@ -1,0 +1,216 @@
+"""The one module that calls ``torch.distributed`` collectives.
+
+Every collective shardopt issues goes through a function here. Each takes the process
+group and the buffers explicitly, uses group-local ranks, and (for the bulk-data ones)
+returns a :class:`PendingWork` record that keeps its buffers alive until waited. Pending
+records are waited in the order they were issued with a plain loop (:func:`wait_all`).
+
+With a group of one rank nothing is sent: the functions copy where a copy is the result and
+otherwise return a completed record. Backend and torch-version differences (renamed
+collectives, gloo vs NCCL) are handled here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "PendingWork",
+    "all_gather_into",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "group_rank",
+    "group_size",
+    "require_initialized",
+    "recv_object",
+    "reduce_scatter",
+    "send_object",
+    "wait_all",
+]
+
+logger = logging.getLogger(__name__)
+
+ProcessGroup = Any  # torch's ProcessGroup; typed loosely because torch's stubs move between versions
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class PendingWork:
+    """A collective in flight, with the buffers it reads and writes.
+
+    Attributes:
+        label: what is in flight, for error messages and profiles.
+        work: torch's work handle; ``None`` when nothing was sent (a group of one).
+        buffers: tensors that must stay alive until the collective completes.
+    """
+
+    label: str
+    work: Any = None
+    buffers: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+
+    def wait(self) -> None:
+        """Block until the collective has completed, then drop the buffer references."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.buffers = ()
+
+
+def wait_all(pending: Iterable[PendingWork]) -> None:
+    """Wait for every record, in the order given (the order they were issued)."""
+    for record in pending:
+        record.wait()
+
+
+def require_initialized(who: str) -> None:
+    """Raise a clear error when there is no default process group.
+
+    Args:
+        who: the class or function that needs one, for the message.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is unavailable or not initialised.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{who} needs torch.distributed to be initialised: call "
+            "torch.distributed.init_process_group(backend, ...) first (launch with torchrun, or "
+            "for one process use init_process_group('gloo', init_method='tcp://127.0.0.1:29500', "
+            "rank=0, world_size=1)); shardopt.testing.run_ranks does this for tests"
+        )
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (the default group when ``None``)."""
+    return int(dist.get_world_size(group))
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank inside ``group``."""
+    return int(dist.get_rank(group))
+
+
+def _global(group: ProcessGroup | None, rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return int(dist.get_global_rank(group, rank))
+
+
+def all_gather_into(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, label: str = "all_gather"
+) -> PendingWork:
+    """Gather equal-sized ``input`` slices from every rank into ``output`` (rank order).
+
+    ``input`` may be this rank's slice of ``output`` (in place).
+    """
+    if group_size(group) == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input.view_as(output))
+        return PendingWork(label)
+    work = _all_gather_single(output, input, group=group, async_op=True)
+    return PendingWork(label, work, (output, input))
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: ProcessGroup | None,
+    label: str = "all_to_all",
+) -> PendingWork:
+    """Send ``input_splits[r]`` elements of ``input`` to rank ``r``; receive into ``output``.
+
+    Splits may be uneven and zero. On gloo each rank sends only what others need, which is
+    why shardopt reduces gradients to their owners this way (see Note [reduce to owner]).
+    """
+    if group_size(group) == 1:
+        output.copy_(input)
+        return PendingWork(label)
+    work = dist.all_to_all_single(
+        output, input, list(output_splits), list(input_splits), group=group, async_op=True
+    )
+    return PendingWork(label, work, (output, input))
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, label: str = "reduce_scatter"
+) -> PendingWork:
+    """Sum ``input`` over ranks and leave rank ``r`` the ``r``-th equal slice in ``output``."""
+    if group_size(group) == 1:
+        output.copy_(input.view_as(output))
+        return PendingWork(label)
+    work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return PendingWork(label, work, (output, input))
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    op: str = "sum",
+    label: str = "all_reduce",
+) -> PendingWork:
+    """Reduce ``tensor`` in place over ranks with ``op`` in ``{"sum", "max", "min"}``."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
+    if group_size(group) == 1:
+        return PendingWork(label)
+    work = dist.all_reduce(tensor, op=ops[op], group=group, async_op=True)
+    return PendingWork(label, work, (tensor,))
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, label: str = "broadcast") -> PendingWork:
+    """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
+    if group_size(group) == 1:
+        return PendingWork(label)
+    work = dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)
+    return PendingWork(label, work, (tensor,))
+
+
+def barrier(group: ProcessGroup | None) -> None:
+    """Block until every rank of ``group`` has arrived."""
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), indexed by group rank. For metadata, not bulk data."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int, group: ProcessGroup | None) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (others pass anything, e.g. ``None``)."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=_global(group, src), group=group)
+    return box[0]
+
+
+def send_object(obj: Any, dst: int, group: ProcessGroup | None) -> None:
+    """Send a picklable object to group rank ``dst`` (blocking)."""
+    dist.send_object_list([obj], dst=_global(group, dst), group=group)
+
+
+def recv_object(src: int, group: ProcessGroup | None) -> Any:
+    """Receive the object that group rank ``src`` sent with :func:`send_object`."""
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=_global(group, src), group=group)
+    return box[0]

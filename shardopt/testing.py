@@ -1,0 +1,198 @@
+"""Run a function on N real ranks, for tests and small local experiments.
+
+:func:`run_ranks` starts one process per rank, gives them a process group, calls the
+function on every rank and returns the per-rank results, or raises in the parent with the
+failing rank's traceback. It is the harness behind shardopt's own tests and is public so
+users can test their training code the same way.
+
+How it works: rendezvous goes through a :class:`torch.distributed.FileStore` in a fresh
+temporary folder, so no TCP port is ever fixed or raced for. Processes are forked when that
+is safe (Linux, CUDA not initialised in the parent, torch using one intra-op thread, see
+Note [fork safety]) and spawned otherwise. Every rank is given ``timeout_s`` both as the
+process group timeout (a collective that never completes raises inside the rank) and as a
+wall-clock limit in the parent (a rank that never returns is killed and named).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "RankTimeout", "run_ranks"]
+
+logger = logging.getLogger(__name__)
+
+_FAILURE_GRACE_S = 5.0
+
+# Note [fork safety]
+# Forking a process whose OpenMP/intra-op thread pool has started can deadlock the child
+# (libgomp is not fork-safe), and CUDA cannot be used in a forked child once the parent has
+# initialised it. A parent that has set torch to one thread and never touched CUDA forks
+# safely, and a fork costs ~0.05 s against ~1 s for a spawn that re-imports torch.
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message carries the rank and its formatted traceback."""
+
+    def __init__(self, rank: int, remote_traceback: str) -> None:
+        super().__init__(f"[rank {rank}] failed:\n{remote_traceback}")
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+class RankTimeout(RuntimeError):
+    """Some ranks did not finish within the time limit (a hang, turned into a failure)."""
+
+    def __init__(self, ranks: list[int], timeout_s: float) -> None:
+        super().__init__(
+            f"ranks {ranks} did not finish within {timeout_s:.0f} s; they were killed "
+            "(a collective waiting on a rank that never calls it is the usual cause)"
+        )
+        self.ranks = ranks
+
+
+@dataclass(frozen=True)
+class _RankJob:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    world_size: int
+    backend: str
+    store_path: str
+    timeout_s: float
+    threads: int
+
+
+def _rank_main(rank: int, job: _RankJob, results: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(job.threads)
+    torch.set_num_threads(job.threads)
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if job.backend == "nccl":
+        torch.cuda.set_device(rank)
+    try:
+        store = dist.FileStore(job.store_path, job.world_size)
+        dist.init_process_group(
+            job.backend,
+            store=store,
+            rank=rank,
+            world_size=job.world_size,
+            timeout=timedelta(seconds=job.timeout_s),
+        )
+        try:
+            value = job.fn(rank, job.world_size, *job.args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _default_backend(world_size: int) -> str:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def _fork_is_safe() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return False
+    return torch.get_num_threads() == 1
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout_s: float = 120.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` real processes.
+
+    Args:
+        fn: the function to run on every rank. With the spawn start method it must be
+            importable (defined at module level).
+        world_size: number of ranks (>= 1).
+        *args: extra arguments passed to ``fn`` on every rank (picklable for spawn).
+        backend: ``"gloo"`` or ``"nccl"``; default NCCL when there is one CUDA device per
+            rank, else gloo.
+        timeout_s: the process group timeout and the wall-clock limit of the whole run.
+        threads_per_rank: intra-op threads per rank.
+
+    Returns:
+        The values returned by ``fn``, indexed by rank. They travel through a pipe, so they
+        must be picklable; return CPU tensors or plain numbers.
+
+    Raises:
+        ValueError: ``world_size`` < 1 or an unknown backend.
+        RankFailure: a rank raised; the lowest failing rank's traceback is in the message.
+        RankTimeout: ranks did not finish in ``timeout_s``; they are named and killed.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    backend = backend or _default_backend(world_size)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    ctx = mp.get_context("fork" if backend == "gloo" and _fork_is_safe() else "spawn")
+    with tempfile.TemporaryDirectory(prefix="shardopt-") as tmp:
+        job = _RankJob(fn, args, world_size, backend, os.path.join(tmp, "store"), timeout_s, threads_per_rank)
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_rank_main, args=(r, job, results), daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outcome: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s + 10.0  # the group timeout fires first
+        try:
+            while len(outcome) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=0.2)
+                    outcome[rank] = (ok, value)
+                    continue
+                except queue.Empty:
+                    pass
+                dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+                if dead:
+                    time.sleep(0.5)  # let a late put arrive before we call it a crash
+                    while True:
+                        try:
+                            rank, ok, value = results.get_nowait()
+                            outcome[rank] = (ok, value)
+                        except queue.Empty:
+                            break
+                    for r in dead:
+                        if r not in outcome:
+                            outcome[r] = (False, f"process exited with code {procs[r].exitcode} without a result")
+                if any(not ok for ok, _ in outcome.values()):
+                    # Peers of a failed rank usually block in their next collective; give
+                    # them a short grace to report, then stop waiting and report the failure.
+                    deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                if time.monotonic() > deadline:
+                    if any(not ok for ok, _ in outcome.values()):
+                        break
+                    raise RankTimeout(sorted(set(range(world_size)) - set(outcome)), timeout_s)
+        finally:
+            grace = 5.0 if len(outcome) == world_size else 0.5
+            for p in procs:
+                p.join(timeout=grace)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        # The first failure to arrive is the cause; peers then fail in their collectives.
+        failures = [(r, v) for r, (ok, v) in outcome.items() if not ok]
+        if failures:
+            raise RankFailure(*failures[0])
+        return [outcome[r][1] for r in range(world_size)]

@@ -1,0 +1,24 @@
+"""Test setup: one intra-op thread (so forking ranks is safe and fast, see Note [fork safety]
+in shardopt.testing) and torch's lazily imported modules loaded once in the parent, so
+forked ranks do not each pay for them."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401  - DDP imports it lazily (1.5 s per forked rank otherwise)
+
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
