@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import sys
 import tempfile
@@ -94,6 +95,9 @@ def _rank_main(rank: int, job: _RankJob, results: Any) -> None:
             value = job.fn(rank, job.world_size, *job.args)
         finally:
             dist.destroy_process_group()
+        # Pickle here: a value the queue's feeder thread cannot pickle would otherwise be
+        # dropped silently and the rank would look like it crashed.
+        pickle.dumps(value)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -139,15 +143,19 @@ def run_ranks(
 
     Raises:
         ValueError: ``world_size`` < 1 or an unknown backend.
-        RankFailure: a rank raised; the lowest failing rank's traceback is in the message.
-        RankTimeout: ranks did not finish in ``timeout_s``; they are named and killed.
+        RankFailure: a rank raised (or exited without a result); the first failure to
+            reach the parent is raised, with that rank's traceback in the message. Peers
+            still blocked in a collective are given a few seconds, then killed.
+        RankTimeout: ranks neither returned nor failed within ``timeout_s`` plus a short
+            grace (for the process group's own timeout to fire first); they are named
+            and killed.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     backend = backend or _default_backend(world_size)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    ctx = mp.get_context("fork" if backend == "gloo" and _fork_is_safe() else "spawn")
+    ctx: Any = mp.get_context("fork" if backend == "gloo" and _fork_is_safe() else "spawn")
     with tempfile.TemporaryDirectory(prefix="shardopt-") as tmp:
         job = _RankJob(fn, args, world_size, backend, os.path.join(tmp, "store"), timeout_s, threads_per_rank)
         results = ctx.Queue()
@@ -155,7 +163,8 @@ def run_ranks(
         for p in procs:
             p.start()
         outcome: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout_s + 10.0  # the group timeout fires first
+        # The group timeout should fire first and name the cause; the grace lets it.
+        deadline = time.monotonic() + timeout_s + min(10.0, 1.0 + 0.25 * timeout_s)
         try:
             while len(outcome) < world_size:
                 try:

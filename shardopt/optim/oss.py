@@ -1,7 +1,23 @@
-"""``OSS``: ZeRO stage 1, a sharded wrapper around any ``torch.optim`` optimizer."""
+"""``OSS``: ZeRO stage 1, a sharded wrapper around any ``torch.optim`` optimizer.
+
+Note [shard optimizer rebuild]
+The wrapped optimizer is built over this rank's trainable owned parameters, and rebuilt
+whenever ownership changes (``add_param_group``, ``refresh_trainable``). Rebuilding, rather
+than editing ``param_groups`` of a live optimizer, lets optimizers that create state in their
+constructor (``Adagrad`` fills ``sum`` there) initialise the parameters they now own; state
+that already existed is then moved over by parameter index, so nothing is lost.
+
+Note [parked state]
+A frozen parameter has size 0 in the partition and is not stepped, but a torch optimizer
+keeps its state (momentum, Adam moments) for when it is unfrozen. OSS does the same: the
+state of a frozen parameter stays with the parameter's owner in a side table, is included in
+consolidated state dicts, migrates on re-partition, and moves back into the shard optimizer
+when the parameter is trainable again.
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -22,18 +38,23 @@ logger = logging.getLogger(__name__)
 
 _warned: set[str] = set()
 
+StateByIndex = dict[int, dict[str, Any]]
+
 
 def _warn_once(key: str, message: str) -> None:
+    """Warn with ``message`` the first time ``key`` is seen in this process."""
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters (everything but ``params``)."""
     return {k: v for k, v in group.items() if k != "params"}
 
 
 def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor detached and on the CPU (CPU tensors are not copied)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
@@ -41,6 +62,19 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+def _state_to_param(state: dict[str, Any], param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    """Put one parameter's state tensors where its optimizer expects them.
+
+    Per-element tensors go to the parameter's device. Scalars (``step``) stay on the CPU
+    unless the group is ``capturable`` or ``fused``, as ``torch.optim`` keeps them.
+    """
+    on_device = bool(group.get("capturable") or group.get("fused"))
+    return {
+        k: v.to(param.device) if isinstance(v, torch.Tensor) and (v.dim() > 0 or on_device) else v
+        for k, v in state.items()
+    }
 
 
 class OSS(Optimizer):
@@ -57,16 +91,18 @@ class OSS(Optimizer):
     the shard optimizer and after the step copied back. Parameters are re-synchronised by
     one all-gather per bucket of each rank's owned parameters (Note [gather by rank
     streams] in :mod:`shardopt.buckets`). Construction checks that every rank passed the
-    same parameter list (a cheap fingerprint exchange) instead of hanging later.
+    same parameter list (a cheap fingerprint exchange) instead of hanging later. Frozen
+    parameters are never stepped (even with a leftover ``.grad``); their state is kept
+    (Note [parked state]).
 
     Args:
         params: parameters or param-group dicts, as for any ``torch.optim`` optimizer.
         optim: the optimizer *class* to shard (default ``torch.optim.SGD``).
         group: the process group (default: the world).
-        broadcast_buffer_size: deprecated in fairscale; accepted and ignored (warns).
+        broadcast_buffer_size: deprecated in fairscale; accepted and ignored (warns once).
         broadcast_fp16: send fp32 parameters as fp16 in the post-step sync (half the bytes;
-            non-owners get values rounded to fp16).
-        force_broadcast_object: accepted for fairscale compatibility and ignored (warns):
+            non-owners get values rounded to fp16, and values beyond fp16's range overflow).
+        force_broadcast_object: deprecated in fairscale; accepted and ignored (warns once):
             state is always exchanged as objects.
         **defaults: keyword arguments of ``optim`` (``lr``, ``momentum``, ...).
 
@@ -94,9 +130,11 @@ class OSS(Optimizer):
             )
         comm.require_initialized("OSS")
         if broadcast_buffer_size != -1:
-            _warn_once("bbs", "OSS(broadcast_buffer_size=...) is deprecated and ignored")
+            _warn_once("bbs", f"OSS(broadcast_buffer_size={broadcast_buffer_size}) is deprecated and ignored: "
+                       "the post-step sync uses fixed-size buckets; remove the argument")
         if force_broadcast_object:
-            _warn_once("fbo", "OSS(force_broadcast_object=True) is ignored: state is always sent as objects")
+            _warn_once("fbo", "OSS(force_broadcast_object=True) is deprecated and ignored: state is always "
+                       "sent as objects; remove the argument")
         self._building = True
         super().__init__(params, defaults)
         self._building = False
@@ -107,9 +145,10 @@ class OSS(Optimizer):
         self.rank = comm.group_rank(group)
         self.broadcast_fp16 = broadcast_fp16
         self._consolidated: dict[str, Any] | None = None
+        self._parked: StateByIndex = {}
         self._check_same_params_on_all_ranks()
-        self.optim: Optimizer = self._optim_cls([{**_hyper(g), "params": []} for g in self.param_groups], **defaults)
         self._repartition(migrate=False)
+        self.defaults = dict(self.optim.defaults)
 
     # ------------------------------------------------------------------ partition
 
@@ -124,45 +163,60 @@ class OSS(Optimizer):
         return self._partition
 
     def owns(self, index: int) -> bool:
-        """Whether this rank owns ``params[index]``."""
+        """Whether this rank owns ``params[index]`` (frozen parameters have an owner too)."""
         return self._partition.owners[index] == self.rank
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
-        """fairscale's view: for each rank, its param groups restricted to its params."""
-        params = self.params
-        index = {p: i for i, p in enumerate(params)}
-        return [
-            [
-                {**_hyper(g), "params": [p for p in g["params"] if self._partition.owners[index[p]] == r
-                                         and self._partition.sizes[index[p]] > 0]}
-                for g in self.param_groups
-            ]
-            for r in range(self.world_size)
-        ]
+        """fairscale's view: for each rank, its param groups restricted to its trainable params.
+
+        Returns:
+            ``result[rank][group]`` is a param-group dict whose ``params`` are the trainable
+            parameters of that group owned by ``rank``.
+        """
+        sizes, owners = self._partition.sizes, self._partition.owners
+        result: list[list[dict[str, Any]]] = [[] for _ in range(self.world_size)]
+        start = 0
+        for g in self.param_groups:
+            indices = range(start, start + len(g["params"]))
+            for r in range(self.world_size):
+                mine = [p for i, p in zip(indices, g["params"]) if owners[i] == r and sizes[i] > 0]
+                result[r].append({**_hyper(g), "params": mine})
+            start += len(g["params"])
+        return result
 
     def refresh_trainable(self) -> None:
         """Re-partition after parameters were frozen or unfrozen. Call on every rank.
 
-        Optimizer state moves with its parameter to the new owner; nothing is dropped.
+        Optimizer state moves with its parameter to the new owner; the state of a frozen
+        parameter is kept for when it is unfrozen (Note [parked state]).
         """
+        self._check_same_params_on_all_ranks()
         self._repartition(migrate=True)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (as ``torch.optim``) and re-partition. Call on every rank."""
+        """Add a group (as ``torch.optim``) and re-partition. Call on every rank.
+
+        Args:
+            param_group: a dict with ``params`` and optional hyperparameters.
+
+        Raises:
+            ValueError: the ranks added different parameters.
+        """
         super().add_param_group(param_group)
         if self._building:
             return
-        self.optim.add_param_group({**_hyper(self.param_groups[-1]), "params": []})
         self._check_same_params_on_all_ranks()
         self._repartition(migrate=True)
 
     def _repartition(self, migrate: bool) -> None:
+        """Plan ownership, (re)build the shard optimizer and move state to the new owners."""
         params = self.params
         for i, p in enumerate(params):
             if p.requires_grad and not p.is_contiguous():
                 raise ValueError(
-                    f"OSS needs contiguous parameters; parameter {i} (shape {tuple(p.shape)}) is not: "
-                    "call .contiguous() on it (e.g. module.to(memory_format=torch.contiguous_format))"
+                    f"OSS needs contiguous parameters; parameter {i} (shape {tuple(p.shape)}, strides "
+                    f"{p.stride()}) is not: make it contiguous before building the optimizer, e.g. "
+                    "param.data = param.data.contiguous() or module.to(memory_format=torch.contiguous_format)"
                 )
         sizes = [p.numel() * p.element_size() if p.requires_grad else 0 for p in params]
         old_state = self._local_state_by_index() if migrate else {}
@@ -170,43 +224,56 @@ class OSS(Optimizer):
         self._trainable_sig = tuple(p.requires_grad for p in params)
         if migrate:
             old_state = self._migrate_state(old_state)
-        owned = {i for i in self._partition.indices_of(self.rank) if sizes[i] > 0}
-        position = 0
-        for group, shard_group in zip(self.param_groups, self.optim.param_groups):
-            shard_group["params"] = [p for j, p in enumerate(group["params"], position) if j in owned]
-            position += len(group["params"])
-        self.optim.state.clear()
+        trainable = {i for i in self._partition.indices_of(self.rank) if sizes[i] > 0}
+        shard_groups, start = [], 0
+        for g in self.param_groups:
+            indices = range(start, start + len(g["params"]))
+            shard_groups.append({**_hyper(g), "params": [p for i, p in zip(indices, g["params"]) if i in trainable]})
+            start += len(g["params"])
+        # See Note [shard optimizer rebuild].
+        self.optim: Optimizer = self._optim_cls(shard_groups, **self._optim_defaults)
+        self._parked = {}
         for i, state in old_state.items():
-            if i in owned:
+            if i in trainable:
                 self.optim.state[params[i]] = state
+            else:
+                self._parked[i] = state
         self.state = self.optim.state  # type: ignore[assignment]
+        self._pull_hyperparams()
         self._gather = ParamGather(
             list(params), self._partition, self.rank, self.group, DEFAULT_GATHER_BUCKET_BYTES, self.broadcast_fp16
         )
         self._consolidated = None
 
-    def _local_state_by_index(self) -> dict[int, dict[str, Any]]:
+    def _local_state_by_index(self) -> StateByIndex:
+        """This rank's optimizer state (live and parked), keyed by index in :attr:`params`."""
         index = {p: i for i, p in enumerate(self.params)}
-        return {index[p]: s for p, s in self.optim.state.items() if p in index}
+        state = {index[p]: s for p, s in self.optim.state.items() if p in index and s}
+        state.update(self._parked)
+        return state
 
-    def _migrate_state(self, state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    def _migrate_state(self, state: StateByIndex) -> StateByIndex:
         """Send each state entry whose owner changed to its new owner, one rank at a time."""
-        kept = {i: s for i, s in state.items() if self._partition.owners[i] == self.rank}
+        owners = self._partition.owners
+        kept = {i: s for i, s in state.items() if owners[i] == self.rank}
         for src in range(self.world_size):
             outgoing = None
             if src == self.rank:
-                outgoing = {i: _to_cpu(s) for i, s in state.items() if self._partition.owners[i] != self.rank}
+                outgoing = {i: _to_cpu(s) for i, s in state.items() if owners[i] != self.rank}
             incoming = comm.broadcast_object(outgoing, src, self.group)
             if src != self.rank:
-                kept.update({i: s for i, s in incoming.items() if self._partition.owners[i] == self.rank})
-        params = self.params
-        return {i: {k: (v.to(params[i].device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                    for k, v in s.items()} for i, s in kept.items()}
+                kept.update({i: s for i, s in incoming.items() if owners[i] == self.rank})
+        params, groups = self.params, self._group_of_global()
+        return {i: _state_to_param(s, params[i], groups[i]) for i, s in kept.items()}
+
+    def _group_of_global(self) -> list[dict[str, Any]]:
+        """The global param group of each parameter index."""
+        return [g for g in self.param_groups for _ in g["params"]]
 
     def _check_same_params_on_all_ranks(self) -> None:
         """Compare a fingerprint of the parameter list across ranks; name the first mismatch."""
         desc = [
-            (gi, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+            (gi, tuple(p.shape), str(p.dtype), bool(p.requires_grad), p.is_contiguous())
             for gi, g in enumerate(self.param_groups)
             for p in g["params"]
         ]
@@ -219,7 +286,7 @@ class OSS(Optimizer):
         a, b = descs[0], descs[other]
         for i, (x, y) in enumerate(zip(a, b)):
             if x != y:
-                detail = (f"parameter {i} is (group, shape, dtype, requires_grad)={x} on rank 0 "
+                detail = (f"parameter {i} is (group, shape, dtype, requires_grad, contiguous)={x} on rank 0 "
                           f"but {y} on rank {other}")
                 break
         else:
@@ -232,15 +299,17 @@ class OSS(Optimizer):
     # ------------------------------------------------------------------ step
 
     def _push_hyperparams(self) -> None:
+        """Copy the global groups' hyperparameters (schedulers, user edits) to the shard."""
         for group, shard_group in zip(self.param_groups, self.optim.param_groups):
             shard_group.update(_hyper(group))
 
     def _pull_hyperparams(self) -> None:
+        """Copy the shard groups' hyperparameters back to the global view."""
         for group, shard_group in zip(self.param_groups, self.optim.param_groups):
             group.update(_hyper(shard_group))
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
-        """Step the local shard, then gather every rank's updated parameters.
+        """Step the local shard, then gather every rank's updated parameters. Call on every rank.
 
         Args:
             closure: re-evaluates the model and returns the loss (as ``torch.optim``).
@@ -267,39 +336,52 @@ class OSS(Optimizer):
     ) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; call on every rank.
 
-        Each rank takes the norm of the gradients of the parameters it owns, the ranks
-        combine them (sum of p-th powers, or max for inf), and every owned gradient is
-        scaled by ``max_norm / (total + 1e-6)`` when that is below 1, as
-        ``torch.nn.utils.clip_grad_norm_`` does on the full gradients.
+        How it works: each rank takes the norm of each owned gradient, the ranks exchange
+        those per-parameter norms in one small all-reduce, and every rank combines them in
+        the order ``torch.nn.utils.clip_grad_norm_`` would (grouped by device and dtype, then
+        parameter order), so the total equals torch's on the full gradients. Owned
+        gradients are then scaled by ``min(1, max_norm / (total + 1e-6))``; other ranks'
+        gradients are left alone (their owners scale them).
 
         Args:
             max_norm: the largest allowed total norm.
             norm_type: the p of the p-norm; ``float('inf')`` for the max norm.
-            filter_params_fn: optional function selecting which owned parameters count.
+            filter_params_fn: optional function selecting which owned parameters count
+                (and get clipped); it receives and returns a list of parameters.
 
         Returns:
-            The total norm, as a float32 tensor on the gradients' device.
+            The total norm, a tensor in the promoted dtype of the trainable parameters.
         """
-        params = [p for i, p in enumerate(self.params) if self.owns(i) and p.grad is not None]
+        params = self.params
+        mine = [p for i, p in enumerate(params) if self.owns(i) and p.grad is not None]
         if filter_params_fn is not None:
-            params = list(filter_params_fn(params))
+            mine = list(filter_params_fn(mine))
+        position = {p: i for i, p in enumerate(params)}
+        dtypes = [p.dtype for p in params if p.requires_grad] or [torch.float32]
+        dtype = functools.reduce(torch.promote_types, dtypes)
+        device = params[0].device
         norm_type = float(norm_type)
-        device = params[0].grad.device if params else self.params[0].device  # type: ignore[union-attr]
-        grads = [p.grad.detach() for p in params]  # type: ignore[union-attr]
-        if norm_type == math.inf:
-            local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
-            local = local.to(device)
-            comm.all_reduce(local, self.group, op="max").wait()
-            total = local
+        exchange = torch.zeros(2 * len(params), dtype=dtype, device=device)
+        grads = []
+        for p in mine:
+            grad = p.grad.detach()  # type: ignore[union-attr]
+            grads.append(grad)
+            exchange[position[p]] = torch.linalg.vector_norm(grad, norm_type).to(device)
+            exchange[len(params) + position[p]] = 1
+        comm.all_reduce(exchange, self.group, op="sum", label="shardopt::oss::clip_grad_norm").wait()
+        counted = [i for i in range(len(params)) if exchange[len(params) + i].item() > 0]
+        # torch groups grads by (device, dtype) in first-seen order before stacking the norms.
+        keys: dict[tuple[str, torch.dtype], int] = {}
+        for i in counted:
+            keys.setdefault((str(params[i].device), params[i].dtype), len(keys))
+        counted.sort(key=lambda i: (keys[(str(params[i].device), params[i].dtype)], i))
+        if counted:
+            total = torch.linalg.vector_norm(exchange[counted], norm_type)
         else:
-            local = (torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
-                     .pow(norm_type).sum() if grads else torch.zeros((), device=device))
-            local = local.to(device)
-            comm.all_reduce(local, self.group, op="sum").wait()
-            total = local.pow(1.0 / norm_type)
+            total = torch.zeros((), dtype=dtype, device=device)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
+            g.mul_(coef.to(g.device))
         return total
 
     # ------------------------------------------------------------------ state dict
@@ -307,30 +389,36 @@ class OSS(Optimizer):
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
         """Collect every rank's shard state on ``recipient_rank`` (``-1``: on every rank).
 
-        Call on every rank. Shards travel one at a time, so no rank holds more than its
-        own shard and one other in flight. Afterwards :meth:`state_dict` on the recipient
-        returns a plain ``torch.optim`` state dict.
+        Call on every rank, after the last step. Shards travel one at a time (point to
+        point to one recipient, or one broadcast per source rank for ``-1``), so no rank
+        holds more than its own shard and one other in flight. Afterwards
+        :meth:`state_dict` on the recipient returns a plain ``torch.optim`` state dict. As
+        with ``torch.optim``, the recipient's own entries share storage with its live state:
+        save (or deep-copy) before stepping again.
+
+        Args:
+            recipient_rank: the group rank that receives the state, or ``-1`` for all.
 
         Raises:
             ValueError: ``recipient_rank`` is not -1 or a rank of the group.
         """
-        if not -1 <= recipient_rank < self.world_size:
-            raise ValueError(f"recipient_rank must be -1 (all ranks) or in [0, {self.world_size}), "
-                             f"got {recipient_rank}")
+        if not isinstance(recipient_rank, int) or not -1 <= recipient_rank < self.world_size:
+            raise ValueError(f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
+                             f"got {recipient_rank!r}; pass the rank that will save the checkpoint")
         local = {i: _to_cpu(s) for i, s in self._local_state_by_index().items()}
-        merged: dict[int, Any] = {}
+        merged: StateByIndex = {}
         for src in range(self.world_size):
+            shard: StateByIndex | None = None
             if recipient_rank == -1:
                 shard = comm.broadcast_object(local if src == self.rank else None, src, self.group)
+            elif src == recipient_rank == self.rank:
+                shard = local
             elif src == recipient_rank:
-                shard = local if src == self.rank else None
+                continue
             elif self.rank == src:
                 comm.send_object(local, recipient_rank, self.group)
-                shard = None
             elif self.rank == recipient_rank:
                 shard = comm.recv_object(src, self.group)
-            else:
-                shard = None
             if shard is not None:
                 merged.update(shard)
         if recipient_rank in (-1, self.rank):
@@ -349,6 +437,10 @@ class OSS(Optimizer):
             all_ranks: consolidate onto every rank now (a collective: call on every rank)
                 instead of returning what :meth:`consolidate_state_dict` collected.
 
+        Returns:
+            ``{"state": {index: {...}}, "param_groups": [...]}`` over :attr:`params`,
+            loadable by this class at any world size or by the unsharded torch optimizer.
+
         Raises:
             RuntimeError: nothing was consolidated on this rank since the last step.
         """
@@ -365,37 +457,53 @@ class OSS(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a plain ``torch.optim`` state dict, saved at any world size or unsharded.
 
-        Each rank keeps the state of the parameters it owns. Hyperparameters of every group
-        are restored.
+        Each rank keeps the state of the parameters it owns (frozen ones parked, Note
+        [parked state]); every group's hyperparameters are restored on every rank. As with
+        ``torch.optim``, tensors already on the right device and dtype are not copied.
+
+        Args:
+            state_dict: from :meth:`state_dict` or ``torch.optim.Optimizer.state_dict``.
 
         Raises:
-            ValueError: the dict's groups or parameter counts do not match this optimizer.
+            ValueError: the dict is not an optimizer state dict, or its groups, parameter
+                counts or state indices do not match this optimizer.
         """
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or "state" not in state_dict:
-            raise ValueError("state_dict must be a torch.optim state dict with 'state' and 'param_groups'")
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if (not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict)
+                or not all(isinstance(g, dict) and "params" in g for g in groups)):
+            raise ValueError("state_dict must be a torch.optim state dict with 'state' and 'param_groups' "
+                             "(each group with 'params'); pass optimizer.state_dict() output")
         ours = [len(g["params"]) for g in self.param_groups]
         theirs = [len(g["params"]) for g in groups]
         if ours != theirs:
             raise ValueError(
-                f"state_dict has parameter groups of sizes {theirs} but this OSS has {ours}; load a state "
-                "dict saved from the same model and param groups"
+                f"state_dict has parameter groups of sizes {theirs} ({sum(theirs)} parameters) but this OSS "
+                f"has {ours} ({sum(ours)} parameters); load a state dict saved from the same model and param groups"
             )
-        local_groups, index_map, start = [], {}, 0
-        owned = [p for g in self.optim.param_groups for p in g["params"]]
-        position = {p: i for i, p in enumerate(self.params)}
+        saved_ids = [pid for g in groups for pid in g["params"]]
+        to_index = {pid: i for i, pid in enumerate(saved_ids)}
+        unknown = [k for k in state_dict["state"] if k not in to_index]
+        if unknown:
+            raise ValueError(f"state_dict['state'] has entries {unknown[:5]} that no param group lists; "
+                             "load a state dict saved from the same model and param groups")
         for g, saved in zip(self.param_groups, groups):
             g.update(_hyper(saved))
-            start += len(g["params"])
-        local_params = []
-        for p in owned:
-            index_map[position[p]] = len(local_params)
-            local_params.append(position[p])
-        it = iter(range(len(owned)))
-        for g, shard_group in zip(self.param_groups, self.optim.param_groups):
-            local_groups.append({**_hyper(g), "params": [next(it) for _ in shard_group["params"]]})
-        saved_state = state_dict["state"]
-        local_state = {index_map[int(i)]: s for i, s in saved_state.items() if int(i) in index_map}
-        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        state = {to_index[k]: s for k, s in state_dict["state"].items()}
+        params, owners = self.params, self._partition.owners
+        position = {p: i for i, p in enumerate(params)}
+        local_groups = [
+            {**_hyper(g), "params": [position[p] for p in sg["params"]]}
+            for g, sg in zip(self.param_groups, self.optim.param_groups)
+        ]
+        trainable = {i for sg in local_groups for i in sg["params"]}
+        self.optim.load_state_dict(
+            {"state": {i: s for i, s in state.items() if i in trainable}, "param_groups": local_groups}
+        )
+        global_groups = self._group_of_global()
+        self._parked = {
+            i: _state_to_param(s, params[i], global_groups[i])
+            for i, s in state.items()
+            if owners[i] == self.rank and i not in trainable
+        }
         self.state = self.optim.state  # type: ignore[assignment]
         self._consolidated = None

@@ -1,0 +1,86 @@
+"""shardopt.testing.run_ranks: results per rank, failures and hangs become errors in the parent."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardopt.testing import RankFailure, RankTimeout, run_ranks
+
+
+def _identity(rank: int, world_size: int, tag: str) -> tuple[int, int, str, int, float]:
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return rank, world_size, tag, os.getpid(), t.item()
+
+
+def test_results_come_back_indexed_by_rank() -> None:
+    for world_size in (1, 3):
+        out = run_ranks(_identity, world_size, "x", timeout_s=30)
+        assert [o[0] for o in out] == list(range(world_size))
+        assert all(o[1] == world_size and o[2] == "x" for o in out)
+        assert len({o[3] for o in out}) == world_size  # real, separate processes
+        assert {o[4] for o in out} == {world_size * (world_size + 1) / 2}  # a real collective ran
+
+
+def _rank_one_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise KeyError("boom-from-rank-one")
+    dist.barrier()
+
+
+def test_raising_rank_becomes_rank_failure_with_its_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank_one_raises, 2, timeout_s=20)
+    assert info.value.rank == 1
+    message = str(info.value)
+    assert message.startswith("[rank 1] failed")
+    assert "KeyError: 'boom-from-rank-one'" in message and "_rank_one_raises" in message
+    assert time.monotonic() - start < 15  # the peer stuck in the barrier does not hold us for long
+
+
+def _rank_zero_skips_barrier(rank: int, world_size: int) -> None:
+    if rank != 0:
+        dist.barrier()
+
+
+def _rank_zero_sleeps(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(600)
+
+
+def test_hang_ends_within_the_timeout() -> None:
+    # A rank that skips a collective: the peer's collective times out (the group timeout).
+    start = time.monotonic()
+    with pytest.raises((RankFailure, RankTimeout)) as info:
+        run_ranks(_rank_zero_skips_barrier, 2, timeout_s=3)
+    assert time.monotonic() - start < 3 + 10
+    if isinstance(info.value, RankFailure):
+        assert info.value.rank == 1
+    # A rank stuck outside any collective: killed by the parent and named.
+    start = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"ranks \[0\] did not finish within 2 s") as timeout_info:
+        run_ranks(_rank_zero_sleeps, 2, timeout_s=2)
+    assert timeout_info.value.ranks == [0]
+    assert time.monotonic() - start < 2 + 6
+
+
+def _unpicklable(rank: int, world_size: int) -> object:
+    return lambda: rank
+
+
+def test_unpicklable_result_is_reported_not_lost() -> None:
+    with pytest.raises(RankFailure, match="pickle"):
+        run_ranks(_unpicklable, 1, timeout_s=20)
+
+
+def test_bad_arguments_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        run_ranks(_identity, 0, "x")
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
+        run_ranks(_identity, 1, "x", backend="mpi")
