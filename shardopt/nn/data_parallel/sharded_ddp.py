@@ -1,0 +1,350 @@
+"""``ShardedDataParallel``: ZeRO stage 2 on top of :class:`~shardopt.optim.OSS`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Generator
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardopt import comm
+from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
+from shardopt.optim.oss import OSS
+
+__all__ = ["ShardedDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_BUCKETS_IN_FLIGHT = 2
+
+# Note [owner's gradient across backward passes]
+# After a reduction the owner's ``.grad`` holds the *averaged* gradient. A later backward
+# (gradient accumulation without no_sync) would add this rank's *local* gradient on top,
+# and reducing that sum would count the earlier average N times. So just before autograd
+# accumulates into a parameter (a tensor pre-hook), a ``.grad`` that is still exactly the
+# tensor we wrote (same object, same version counter) is moved aside; autograd then
+# accumulates only local gradients, the bucket sends only those, and the owner adds the
+# new reduced gradient to what it set aside. A ``.grad`` the user zeroed in place has a new
+# version and is left alone (adding local gradients to zeros is exact); one set to None has
+# nothing to set aside. Hence any zero_grad, on any object, at any time, is safe.
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallel with gradients reduced to, and kept only on, their owner (ZeRO-2).
+
+    Wrap the model and give it the :class:`~shardopt.optim.OSS` optimizer(s) over its
+    parameters; train as with DDP. During backward each gradient is copied into a bucket
+    and freed; a full bucket is sent with one all-to-all that delivers every parameter's
+    gradient to its owner only (Note [reduce to owner]). After backward a rank holds
+    gradients for the parameters it owns and ``OSS.step`` updates and re-gathers them.
+
+    Args:
+        module: the model; all its parameters on one device type.
+        sharded_optimizer: an ``OSS`` or a list of ``OSS`` over disjoint parameters that
+            together cover every trainable parameter of ``module``.
+        process_group: the group to reduce over (default: the optimizers' group).
+        broadcast_buffers: copy rank 0's buffers to all ranks at every training forward.
+        sync_models_at_startup: copy rank 0's parameters and buffers to all ranks now.
+        reduce_buffer_size: gradient elements per bucket; 0 puts every parameter in a
+            bucket of its own.
+        auto_refresh_trainable: re-partition when parameters are frozen/unfrozen.
+        reduce_fp16: send fp32 gradients as fp16 (half the bytes).
+        warn_on_trainable_params_changed: warn (once per change) when trainability changes.
+        reduce_dtype: send fp32 gradients in this dtype instead (e.g. ``torch.bfloat16``);
+            overrides ``reduce_fp16``.
+
+    Raises:
+        TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS.
+        ValueError: parameters span device types, optimizers overlap or do not cover the
+            module's trainable parameters, a negative ``reduce_buffer_size``, or a
+            ``reduce_dtype`` that is not a floating dtype.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sharded_optimizer: OSS | list[OSS],
+        process_group: Any | None = None,
+        broadcast_buffers: bool = True,
+        sync_models_at_startup: bool = True,
+        reduce_buffer_size: int = 2**23,
+        auto_refresh_trainable: bool = True,
+        reduce_fp16: bool = False,
+        warn_on_trainable_params_changed: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        optimizers = sharded_optimizer if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
+        bad = [o for o in optimizers if not isinstance(o, OSS)]
+        if bad or not optimizers:
+            raise TypeError(
+                f"sharded_optimizer must be a shardopt.optim.OSS or a non-empty list of them, got "
+                f"{type(bad[0]).__name__ if bad else 'an empty list'}; build it as "
+                "OSS(model.parameters(), optim=torch.optim.Adam, lr=...)"
+            )
+        if reduce_buffer_size < 0:
+            raise ValueError(f"reduce_buffer_size must be >= 0 elements (0: no bucketing), got {reduce_buffer_size}")
+        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
+            raise ValueError(f"reduce_dtype must be a floating dtype such as torch.bfloat16, got {reduce_dtype}")
+        device_types = {p.device.type for p in module.parameters()}
+        if len(device_types) > 1:
+            raise ValueError(
+                f"module has parameters on several device types {sorted(device_types)}; "
+                "ShardedDataParallel needs them on one: move the model with module.to(device) first"
+            )
+        self.module = module
+        self.sharded_optimizers: list[OSS] = list(optimizers)
+        self.process_group = process_group if process_group is not None else optimizers[0].group
+        self.world_size = comm.group_size(self.process_group)
+        self.rank = comm.group_rank(self.process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.reduce_buffer_size = reduce_buffer_size
+        self.auto_refresh_trainable = auto_refresh_trainable
+        self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        self._wire_dtypes: dict[torch.dtype, torch.dtype] = {}
+        if reduce_dtype is not None or reduce_fp16:
+            self._wire_dtypes[torch.float32] = reduce_dtype or torch.float16
+        self._should_sync = True
+        self._hook_handles: list[Any] = []
+        self._buckets: list[GradBucket] = []
+        self._bucket_of: dict[nn.Parameter, GradBucket] = {}
+        self._next_launch = 0
+        self._in_flight: deque[tuple[GradBucket, comm.PendingWork, torch.Tensor]] = deque()
+        self._callback_queued = False
+        self._set_aside: dict[nn.Parameter, torch.Tensor] = {}
+        self._written: dict[nn.Parameter, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._local_pending: set[nn.Parameter] = set()
+        if sync_models_at_startup:
+            self._sync_params_and_buffers()
+        self._setup()
+
+    # ------------------------------------------------------------------ setup
+
+    def _trainable_signature(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.module.parameters())
+
+    def _owners(self) -> dict[nn.Parameter, int]:
+        owners: dict[nn.Parameter, int] = {}
+        for opt in self.sharded_optimizers:
+            for i, p in enumerate(opt.params):
+                if p in owners:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is in two of the sharded optimizers; "
+                        "give each parameter to exactly one OSS"
+                    )
+                owners[p] = opt.partition.owners[i]
+        return owners
+
+    def _setup(self) -> None:
+        """(Re)build the bucket plan and the hooks from the current trainable parameters."""
+        self._remove_hooks()
+        owners = self._owners()
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        missing = [tuple(p.shape) for p in trainable if p not in owners]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameter(s) of the module (first of shape {missing[0]}) are not "
+                "in any sharded optimizer; build OSS over all of them: OSS(model.parameters(), ...)"
+            )
+        specs = plan_buckets(trainable, [owners[p] for p in trainable], self.world_size,
+                             self.reduce_buffer_size, self._wire_dtypes)
+        self._buckets = [GradBucket(spec, self.rank, 1.0 / self.world_size) for spec in specs]
+        self._bucket_of = {p: b for b in self._buckets for p in b.spec.params}
+        for p in trainable:
+            self._hook_handles.append(p.register_hook(self._make_pre_hook(p)))
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
+        self._trainable_sig = self._trainable_signature()
+        self._reset_iteration()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def refresh_trainable(self) -> None:
+        """Re-partition the optimizers and rebuild buckets after (un)freezing. All ranks."""
+        if self._in_flight or self._next_launch:
+            raise RuntimeError(
+                f"[rank {self.rank}] refresh_trainable() was called while gradients are being reduced; "
+                "call it between iterations (after optimizer.step())"
+            )
+        for opt in self.sharded_optimizers:
+            opt.refresh_trainable()
+        self._set_aside.clear()
+        self._written.clear()
+        self._setup()
+
+    def _check_trainability(self) -> None:
+        if self._trainable_signature() == self._trainable_sig:
+            return
+        if self.warn_on_trainable_params_changed:
+            warnings.warn(
+                "ShardedDataParallel: the set of trainable parameters changed"
+                + ("; re-partitioning" if self.auto_refresh_trainable else
+                   "; call refresh_trainable() on every rank (auto_refresh_trainable is off)"),
+                UserWarning,
+                stacklevel=3,
+            )
+        if self.auto_refresh_trainable:
+            self.refresh_trainable()
+        else:
+            self._trainable_sig = self._trainable_signature()  # warn once per change
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (refreshing trainability and syncing buffers first)."""
+        if self.module.training:
+            self._check_trainability()
+            if self.broadcast_buffers:
+                self.sync_buffers(blocking=True)
+        return self.module(*inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally; the first backward outside the context reduces them."""
+        previous = self._should_sync
+        self._should_sync = False
+        try:
+            yield
+        finally:
+            self._should_sync = previous
+
+    # ------------------------------------------------------------------ hooks
+
+    def _make_pre_hook(self, param: nn.Parameter) -> Any:
+        def set_aside_reduced_grad(grad: torch.Tensor) -> None:
+            # See Note [owner's gradient across backward passes].
+            written = self._written.get(param)
+            if written is None or param.grad is None:
+                return None
+            ref, version = written
+            if ref() is param.grad and param.grad._version == version:
+                self._set_aside[param] = param.grad
+                param.grad = None
+            del self._written[param]
+            return None
+
+        return set_aside_reduced_grad
+
+    def _post_accumulate(self, param: torch.Tensor) -> None:
+        assert isinstance(param, nn.Parameter)
+        if not self._should_sync:
+            self._local_pending.add(param)
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        bucket = self._bucket_of[param]
+        assert param.grad is not None
+        bucket.add(param, param.grad)
+        param.grad = None
+        self._local_pending.discard(param)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].complete:
+            self._launch(self._buckets[self._next_launch])
+
+    def _launch(self, bucket: GradBucket) -> None:
+        pending, recv = bucket.launch(self.process_group, self.world_size)
+        self._in_flight.append((bucket, pending, recv))
+        self._next_launch += 1
+        while len(self._in_flight) > _MAX_BUCKETS_IN_FLIGHT:
+            self._finish(*self._in_flight.popleft())
+
+    def _finish(self, bucket: GradBucket, pending: comm.PendingWork, recv: torch.Tensor) -> None:
+        pending.wait()
+        for param, reduced in bucket.unpack(recv, self.world_size):
+            kept = self._set_aside.pop(param, None)
+            if reduced is None:
+                if kept is not None:
+                    param.grad = kept
+                continue
+            if kept is not None:
+                reduced = kept.add_(reduced)
+            param.grad = reduced
+            self._written[param] = (weakref.ref(reduced), reduced._version)
+
+    def _on_backward_end(self) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send every bucket not yet sent (gradients accumulated under no_sync included)."""
+        for bucket in self._buckets[self._next_launch :]:
+            for param in bucket.spec.params:
+                if param in self._local_pending and param.grad is not None:
+                    bucket.add(param, param.grad)
+                    param.grad = None
+            self._launch(bucket)
+        while self._in_flight:
+            self._finish(*self._in_flight.popleft())
+        self._local_pending.clear()
+        self._reset_iteration()
+
+    def _reset_iteration(self) -> None:
+        self._next_launch = 0
+        self._callback_queued = False
+
+    def reduce(self) -> None:
+        """Reduce the gradients accumulated locally (under :meth:`no_sync`) now. All ranks.
+
+        Use it to finish an accumulation done entirely inside ``no_sync()``.
+
+        Raises:
+            RuntimeError: there are no locally accumulated gradients to reduce.
+        """
+        if not self._local_pending:
+            raise RuntimeError(
+                f"[rank {self.rank}] ShardedDataParallel.reduce(): nothing to reduce; backward passes "
+                "outside no_sync() reduce their gradients themselves. Call reduce() after backward passes "
+                "run under no_sync()"
+            )
+        self._flush()
+
+    # ------------------------------------------------------------------ state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the gradients of every parameter, and anything set aside."""
+        self.module.zero_grad(set_to_none=set_to_none)
+        self._set_aside.clear()
+        self._written.clear()
+        self._local_pending.clear()
+
+    def _sync_params_and_buffers(self) -> None:
+        pending = [comm.broadcast(t.data, 0, self.process_group, label="shardopt::sdp::startup_sync")
+                   for t in list(self.module.parameters()) + list(self.module.buffers())]
+        comm.wait_all(pending)
+
+    def sync_buffers(self, blocking: bool = False) -> list[comm.PendingWork]:
+        """Copy rank 0's buffers to every rank.
+
+        Args:
+            blocking: wait for the copies before returning.
+
+        Returns:
+            The pending copies (already completed when ``blocking``).
+        """
+        pending = [comm.broadcast(b.data, 0, self.process_group, label="shardopt::sdp::buffers")
+                   for b in self.module.buffers()]
+        if blocking:
+            comm.wait_all(pending)
+        return pending
+
+    def to(self, *args: Any, **kwargs: Any) -> ShardedDataParallel:  # type: ignore[override]
+        """Move the wrapped module, then rebuild the optimizers' plans and the buckets."""
+        self.module.to(*args, **kwargs)
+        self.refresh_trainable()
+        return self

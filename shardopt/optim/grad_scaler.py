@@ -1,0 +1,84 @@
+"""``ShardedGradScaler``: AMP loss scaling that agrees on inf/nan across ranks."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import GradScaler
+
+from shardopt import comm
+
+__all__ = ["ShardedGradScaler"]
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedGradScaler(GradScaler):
+    """A ``torch.amp.GradScaler`` for sharded gradients.
+
+    With sharded gradients (ZeRO-2) or a sharded step (ZeRO-1) a rank inspects only part of
+    the gradients, so an inf/nan can be visible to one rank only. This scaler adds exactly
+    one thing to torch's: after unscaling, the ranks take the max of their found-inf flags,
+    so every rank skips the step (and backs off the scale) when any rank saw an inf/nan,
+    and no rank steps alone into a parameter gather the others never join.
+
+    How it works: :meth:`unscale_` runs torch's unscale on this rank's gradients, folds the
+    per-device flags into one, and all-reduces it (max) over ``process_group``. ``step`` and
+    ``update`` are torch's, reading the agreed flag. Works with OSS + ShardedDataParallel and
+    with OSS + DDP, on CPU (autocast bf16/fp16) and CUDA.
+
+    Args:
+        init_scale: initial scale factor.
+        growth_factor: factor the scale grows by after ``growth_interval`` clean steps.
+        backoff_factor: factor the scale shrinks by after a step with inf/nan.
+        growth_interval: clean steps between growths.
+        enabled: ``False`` makes every method a pass-through, as in torch.
+        process_group: the group to agree over (default: the world).
+        device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else CPU. Must be
+            the device type of the gradients.
+
+    Raises:
+        ValueError: ``device`` is not a known device type.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Any | None = None,
+        device: str | None = None,
+    ) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia"):
+            raise ValueError(f"device must be a device type such as 'cpu' or 'cuda', got {device!r}")
+        super().__init__(
+            device=device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
+        self.process_group = process_group
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale this rank's gradients, then agree with every rank on inf/nan.
+
+        A collective: call it (or ``step``, which calls it) on every rank.
+        """
+        if not self._enabled:
+            return
+        super().unscale_(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        assert self._scale is not None
+        found = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        for flag in state["found_inf_per_device"].values():
+            found = torch.maximum(found, flag.to(found.device))
+        comm.all_reduce(found, self.process_group, op="max", label="shardopt::scaler::found_inf").wait()
+        state["found_inf_per_device"] = {found.device: found}
