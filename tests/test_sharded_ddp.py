@@ -446,3 +446,52 @@ def test_user_errors_say_what_to_do() -> None:
     ]
     for fragment, message in zip(expected, messages, strict=True):
         assert fragment in message, (fragment, message)
+
+
+def _mismatched_backward(rank: int, world_size: int) -> None:
+    model = seeded_mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, opt)
+    sdp(rank_batch(rank, 0)).sum().backward()
+    if rank == 1:  # a backward the other rank never runs: its reduction has no partner
+        sdp(rank_batch(rank, 1)).sum().backward()
+
+
+def test_backward_on_one_rank_only_fails_with_an_error_instead_of_hanging() -> None:
+    from shardopt.testing import RankFailure
+
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_mismatched_backward, 2, timeout_s=5)
+    assert info.value.rank == 1
+
+
+def _surface(rank: int, world_size: int) -> dict[str, Any]:
+    model = Branchy()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet = ShardedDataParallel(model, opt, auto_refresh_trainable=False, warn_on_trainable_params_changed=False)
+        model.never.requires_grad_(False)
+        quiet(rank_batch(rank, 0))
+        out["quiet_warnings"] = len(caught)
+        model.never.requires_grad_(True)
+        loud = ShardedDataParallel(model, opt, auto_refresh_trainable=False)
+        model.never.requires_grad_(False)
+        loud(rank_batch(rank, 0))
+        loud(rank_batch(rank, 1))
+        out["loud_warnings"] = [str(w.message) for w in caught]
+    out["forwards_attribute"] = loud.trunk is model.trunk
+    pending = loud.sync_buffers(blocking=False)
+    for p in pending:
+        p.wait()
+    out["sync_buffers_pending"] = isinstance(pending, list)
+    out["to_returns_self"] = loud.to("cpu") is loud
+    return out
+
+
+def test_wrapper_surface_and_trainability_warning_switches() -> None:
+    for r in run_ranks(_surface, 2):
+        assert r["quiet_warnings"] == 0, r
+        assert len(r["loud_warnings"]) == 1 and "call refresh_trainable()" in r["loud_warnings"][0], r
+        assert r["forwards_attribute"] and r["sync_buffers_pending"] and r["to_returns_self"], r
