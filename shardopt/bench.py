@@ -1,0 +1,212 @@
+"""``shardopt bench``: modes side by side on the same model, data and seed, compared with DDP.
+
+Each mode runs in its own launch (its own processes and process group), so no mode's
+allocations or sockets leak into another's figures. Every rank measures itself (see
+:mod:`shardopt.runner`); rank 0 of each run saves the final full parameters, and this
+process compares them with DDP's (max |param - DDP param|) and divides each mode's time,
+heap and bytes by DDP's. Results go to a rich table, optionally JSON and a matplotlib plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from shardopt import runner
+from shardopt.cli_render import machine_info, mib, write_json
+from shardopt.modes import MODES
+
+__all__ = ["ModeResult", "bench_rank", "run_bench"]
+
+Launcher = Callable[..., dict[int, Any]]
+
+
+@record
+def bench_rank(job: runner.TrainJob) -> list[dict[str, Any]] | None:
+    """One rank of one benchmarked mode: join the group, train, report (rank 0 returns all ranks).
+
+    Args:
+        job: the job (``params_out`` set so rank 0 saves the final parameters).
+
+    Returns:
+        On rank 0 every rank's report as dicts, else ``None``.
+    """
+    runner.init_process_group_from_env()
+    try:
+        reports = runner.train(job)
+        return [r.as_dict() for r in reports] if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """One mode's per-rank figures and its comparison with DDP.
+
+    Attributes:
+        mode: the mode name.
+        ranks: every rank's report (dicts, as in the JSON).
+        max_param_diff: max |param - DDP param| over all parameters after the last step.
+        time_ratio: this mode's median step time over DDP's (slowest rank each).
+        heap_ratio: heap after step over DDP's (largest rank each).
+        bytes_ratio: bytes sent per step over DDP's (largest rank each).
+    """
+
+    mode: str
+    ranks: list[dict[str, Any]]
+    max_param_diff: float
+    time_ratio: float | None
+    heap_ratio: float | None
+    bytes_ratio: float | None
+
+    def worst(self, key: str) -> float | None:
+        """The largest value of ``key`` over ranks (``None`` if any rank lacks it)."""
+        values = [r[key] for r in self.ranks]
+        return None if any(v is None for v in values) else float(max(values))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        raise AssertionError(f"parameter names differ between modes: {sorted(a.keys() ^ b.keys())[:4]}")
+    return max(((a[k].float() - b[k].float()).abs().max().item() for k in a), default=0.0)
+
+
+def run_bench(args: argparse.Namespace, names: list[str], world: int, threads: int, launch: Launcher) -> int:
+    """Run every mode in ``names`` (``"ddp"`` first) and show the comparison.
+
+    Args:
+        args: the parsed ``bench`` arguments.
+        names: modes to run, DDP first.
+        world: ranks per mode.
+        threads: intra-op threads per rank.
+        launch: the CLI's launcher (handles Ctrl-C and rank failures).
+
+    Returns:
+        The exit code.
+    """
+    console = Console()
+    results: list[ModeResult] = []
+    with tempfile.TemporaryDirectory(prefix="shardopt-bench-") as tmp:
+        reference: dict[str, torch.Tensor] | None = None
+        base: ModeResult | None = None
+        for name in names:
+            params_path = os.path.join(tmp, f"{name}.pt")
+            job = runner.TrainJob(mode=name, preset=args.model, steps=args.steps, batch_size=args.batch_size,
+                                  lr=args.lr, seed=args.seed, warmup_steps=args.warmup_steps,
+                                  params_out=params_path, threads_per_rank=threads)
+            with console.status(f"bench: {name} on {world} ranks ({args.steps} steps)"):
+                ranks = launch("bench", bench_rank, world, job)[0]
+            params = torch.load(params_path, weights_only=True)
+            os.remove(params_path)
+            if reference is None:
+                reference = params
+            diff = _max_diff(reference, params)
+            result = ModeResult(name, ranks, diff, None, None, None)
+            if base is not None:
+                result = ModeResult(
+                    name, ranks, diff,
+                    _ratio(result.worst("median_step_s"), base.worst("median_step_s")),
+                    _ratio(result.worst("heap_after_step"), base.worst("heap_after_step")),
+                    _ratio(result.worst("bytes_per_step"), base.worst("bytes_per_step")),
+                )
+            else:
+                result = ModeResult(name, ranks, diff, 1.0, 1.0, 1.0)
+                base = result
+            results.append(result)
+            console.print(f"bench: {name} done, median step "
+                          f"{1000 * (result.worst('median_step_s') or float('nan')):.1f} ms")
+    wide = console if console.is_terminal else Console(width=170)
+    wide.print(bench_table(args, world, results))
+    if args.json:
+        write_json(args.json, {
+            "command": "bench", "machine": machine_info(), "world_size": world, "threads_per_rank": threads,
+            "model": args.model, "num_params": results[0].ranks[0]["num_params"], "steps": args.steps,
+            "warmup_steps": args.warmup_steps, "batch_size": args.batch_size, "seed": args.seed,
+            "results": [{**r.__dict__} for r in results],
+        })
+    if args.plot:
+        plot(results, args.plot, f"{args.model}, {world} ranks")
+    return 0
+
+
+def _per_rank(result: ModeResult, key: str, fmt: Callable[[Any], str]) -> str:
+    return " / ".join(fmt(r[key]) for r in result.ranks)
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def bench_table(args: argparse.Namespace, world: int, results: list[ModeResult]) -> Table:
+    """The comparison table: per-rank heap and bytes, median step, drift from DDP, ratios.
+
+    Args:
+        args: the parsed ``bench`` arguments.
+        world: ranks per mode.
+        results: one per mode, DDP first.
+
+    Returns:
+        The rich table.
+    """
+    counted = results[0].ranks[0]["counted_steps"]
+    table = Table(
+        title=f"shardopt bench: model {args.model} ({results[0].ranks[0]['num_params'] / 1e6:.2f}M params), Adam, "
+              f"{world} ranks, batch {args.batch_size}",
+        caption=f"MiB per rank (rank 0 / rank 1 / ...); heap = malloc'ed bytes above the value before the model "
+                f"was built; sent = /proc/self/io wchar per step; median over {counted} steps after "
+                f"{args.warmup_steps} warm-up, ranks barrier-aligned; ratios against ddp (worst rank)",
+    )
+    for column in ("mode", "heap after step", "heap peak", "sent/step", "median step ms", "max|p - p_ddp|",
+                   "time", "heap", "sent"):
+        table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=column == "mode")
+    for r in results:
+        step = r.worst("median_step_s")
+        table.add_row(
+            r.mode, _per_rank(r, "heap_after_step", mib), _per_rank(r, "heap_peak", mib),
+            _per_rank(r, "bytes_per_step", mib), "n/a" if step is None else f"{1000 * step:.1f}",
+            f"{r.max_param_diff:.2e}", _x(r.time_ratio), _x(r.heap_ratio), _x(r.bytes_ratio),
+        )
+    return table
+
+
+def plot(results: list[ModeResult], path: str, title: str) -> None:
+    """Draw heap after step, bytes sent per step and median step time per mode into ``path``.
+
+    Args:
+        results: one per mode.
+        path: the PNG to write.
+        title: the figure title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("heap after step (MiB, worst rank)", "heap_after_step", 2.0**-20),
+              ("sent per step (MiB, worst rank)", "bytes_per_step", 2.0**-20),
+              ("median step (ms)", "median_step_s", 1000.0))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    names = [r.mode for r in results]
+    for ax, (label, key, scale) in zip(axes, panels):
+        values = [(r.worst(key) or 0.0) * scale for r in results]
+        ax.bar(names, values, color=["#888888" if MODES[n].peer else "#2a7ab9" for n in names])
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=45)
+    fig.suptitle(f"shardopt bench: {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,360 @@
+"""The ``shardopt`` command: ``demo``, ``bench`` and ``estimate``, with rich output.
+
+- ``shardopt demo`` trains the built-in GPT on the built-in corpus on N local ranks started
+  with torch's elastic launcher (or, unchanged, on the ranks ``torchrun`` started: the
+  command notices torchrun's environment and runs as one of its ranks). Rank 0 draws a
+  progress bar and ends with a per-rank table of memory, bytes sent, step time and loss.
+- ``shardopt bench`` runs several modes one after another, each in its own process group,
+  on the same model, data and seed, and compares them with DDP (see
+  :mod:`shardopt.bench`).
+- ``shardopt estimate`` prints the ZeRO paper's model-state bytes per rank.
+
+Bad arguments end with one line ``shardopt <command>: error: ...`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from shardopt import __version__
+from shardopt.memory import estimate_model_states
+from shardopt.models import PRESETS
+from shardopt.modes import MODES, get_mode
+from shardopt.runner import TrainJob
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+MiB = 2.0**20
+_INTERRUPTED_EXIT = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block) and exits with 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 7.5e9, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return int(value)
+
+
+def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: str) -> None:
+    p.add_argument("--model", default=preset, choices=sorted(PRESETS), help=f"model preset (default {preset})")
+    p.add_argument("--steps", type=_positive_int, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument("--batch-size", type=_positive_int, default=batch, help=f"sequences per rank per micro-batch "
+                   f"(default {batch})")
+    p.add_argument("--world-size", type=_positive_int, default=None,
+                   help="local ranks to start (default 2; under torchrun, torchrun decides)")
+    p.add_argument("--warmup-steps", type=_non_negative_int, default=2,
+                   help="steps left out of timing and bytes statistics (default 2)")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    p.add_argument("--threads-per-rank", type=_positive_int, default=None,
+                   help="intra-op threads per rank (default: CPU cores / ranks)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``shardopt`` argument parser (exposed for documentation and tests).
+
+    Returns:
+        The parser with ``demo``, ``bench`` and ``estimate`` subcommands.
+    """
+    parser = _Parser(prog="shardopt", description="ZeRO-style sharded training for PyTorch: demo, "
+                     "benchmark and memory estimate")
+    parser.add_argument("--version", action="version", version=f"shardopt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="train the built-in GPT on the built-in corpus",
+                          description="Train the built-in GPT on Python's own sources on local ranks.")
+    _add_run_args(demo, steps=200, batch=8, preset="small")
+    demo.add_argument("--mode", default="zero2", choices=list(MODES), help="how to train (default zero2)")
+    demo.add_argument("--amp", choices=["bf16", "fp16"], default=None,
+                      help="autocast dtype; fp16 adds a (sharded) gradient scaler")
+    demo.add_argument("--grad-accum", type=_positive_int, default=1,
+                      help="micro-batches per step; all but the last run under no_sync (default 1)")
+    demo.add_argument("--checkpoint", metavar="PATH", default=None,
+                      help="save here at the end (a file; a folder for zero3/fsdp2)")
+    demo.add_argument("--save-every", type=_non_negative_int, default=0, help="also save every N steps")
+    demo.add_argument("--resume", action="store_true", help="continue from --checkpoint when it exists")
+
+    bench = sub.add_parser("bench", help="compare modes side by side",
+                           description="Run modes one after another on the same model, data and seed.")
+    _add_run_args(bench, steps=10, batch=4, preset="27m")
+    bench.add_argument("--modes", default=None,
+                       help="comma-separated modes (default: every shardopt mode and installed peer); "
+                            f"known: {', '.join(MODES)}")
+    bench.add_argument("--plot", metavar="PNG", default=None, help="draw the comparison (needs matplotlib)")
+
+    est = sub.add_parser("estimate", help="model-state bytes per rank (ZeRO paper formulas)",
+                         description="Model-state memory per rank for DDP and ZeRO stages 1/2/3.")
+    what = est.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9")
+    what.add_argument("--model", help="a preset name or package.module:factory returning an nn.Module")
+    est.add_argument("--world-size", type=_positive_int, required=True, help="data-parallel ranks")
+    est.add_argument("--fp32", action="store_true", help="fp32 params/grads (default: mixed precision)")
+    est.add_argument("--optimizer-bytes", type=float, default=None,
+                     help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
+    est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
+    return parser
+
+
+def _fail(command: str, message: str) -> NoReturn:
+    sys.stderr.write(f"shardopt {command}: error: {message}\n")
+    raise SystemExit(2)
+
+
+# ---------------------------------------------------------------------- launching
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def _fork_is_safe() -> bool:
+    return sys.platform.startswith("linux") and not (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
+    """Run ``entry(*args)`` on ``world_size`` local ranks with torch's elastic launcher.
+
+    Under ``torchrun`` this process already is one rank: ``entry`` runs here and the result
+    is keyed by the global rank. Otherwise ``elastic_launch`` starts the ranks (forked on
+    Linux when CUDA is untouched, spawned otherwise) with a c10d rendezvous on the loopback
+    interface, and no restarts: a failing rank stops them all.
+
+    Args:
+        entry: a module-level function (it must be picklable for spawn).
+        world_size: local ranks to start.
+        *args: passed to ``entry`` on every rank.
+
+    Returns:
+        ``{rank: return value}``.
+    """
+    if _under_torchrun():
+        return {int(os.environ["RANK"]): entry(*args)}
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world_size, rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"shardopt-{os.getpid()}-{time.monotonic_ns()}",
+        max_restarts=0, monitor_interval=0.1, start_method="fork" if _fork_is_safe() else "spawn",
+    )
+    return dict(elastic_launch(config, entry)(*args))
+
+
+def _run_launched(command: str, entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
+    """:func:`launch`, turning Ctrl-C and rank failures into a message and an exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        return launch(entry, world_size, *args)
+    except (KeyboardInterrupt, SignalException):
+        sys.stderr.write(f"shardopt {command}: interrupted; all ranks were stopped\n")
+        raise SystemExit(_INTERRUPTED_EXIT) from None
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        detail = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        first = str(detail).strip().splitlines()[-1] if str(detail).strip() else f"exit code {failure.exitcode}"
+        if failure.exitcode in (-2, -15) or "KeyboardInterrupt" in str(detail):
+            sys.stderr.write(f"shardopt {command}: interrupted; all ranks were stopped\n")
+            raise SystemExit(_INTERRUPTED_EXIT) from None
+        sys.stderr.write(f"shardopt {command}: error: rank {rank} failed: {first}\n")
+        raise SystemExit(1) from None
+
+
+def _resolve_world(command: str, args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if args.world_size is not None and args.world_size != world:
+            _fail(command, f"--world-size {args.world_size} differs from torchrun's WORLD_SIZE={world}; "
+                  "leave --world-size out under torchrun")
+        return world
+    return 2 if args.world_size is None else int(args.world_size)
+
+
+def _threads(args: argparse.Namespace, world: int) -> int:
+    if args.threads_per_rank is not None:
+        return int(args.threads_per_rank)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def _check_mode(command: str, name: str) -> None:
+    reason = get_mode(name).unavailable()
+    if reason is not None:
+        _fail(command, reason)
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def _demo(args: argparse.Namespace) -> int:
+    world = _resolve_world("demo", args)
+    _check_mode("demo", args.mode)
+    if args.resume and not args.checkpoint:
+        _fail("demo", "--resume needs --checkpoint PATH (where to resume from)")
+    if args.amp == "fp16" and args.mode in ("zero3", "fsdp2", "fsdp2-reshard", "fairscale", "fairscale-default"):
+        _fail("demo", f"--amp fp16 is supported with ddp, zero1, zero2 and torch-zero, not {args.mode!r}; "
+              "use --amp bf16 (no scaler needed)")
+    if args.amp == "fp16" and args.mode in ("zero1", "zero2"):
+        reason = _scaler_unavailable()
+        if reason:
+            _fail("demo", reason)
+    job = TrainJob(
+        mode=args.mode, preset=args.model, steps=args.steps, batch_size=args.batch_size,
+        grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp,
+        warmup_steps=args.warmup_steps, checkpoint_path=os.path.abspath(args.checkpoint) if args.checkpoint else None,
+        resume=args.resume, save_every_steps=args.save_every, threads_per_rank=_threads(args, world),
+    )
+    from shardopt.cli_render import demo_rank
+
+    results = _run_launched("demo", demo_rank, world, job, args.json)
+    return 0 if results else 1
+
+
+def _scaler_unavailable() -> str | None:
+    try:
+        from shardopt.optim.grad_scaler import ShardedGradScaler  # noqa: F401
+    except ImportError:
+        return "--amp fp16 with a sharded mode needs shardopt.optim.grad_scaler.ShardedGradScaler, which this " \
+               "installation lacks; use --amp bf16"
+    return None
+
+
+# ---------------------------------------------------------------------- bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        _fail("bench", "bench starts its own process groups, one per mode; run it directly, not under torchrun")
+    world = _resolve_world("bench", args)
+    if args.steps <= args.warmup_steps:
+        _fail("bench", f"--steps {args.steps} leaves nothing to measure after --warmup-steps {args.warmup_steps}; "
+              f"use --steps >= {args.warmup_steps + 8} for a median over 8 steps")
+    if args.modes is None:
+        names = [n for n, m in MODES.items() if m.unavailable() is None]
+    else:
+        names = [n.strip() for n in args.modes.split(",") if n.strip()]
+        for name in names:
+            if name not in MODES:
+                _fail("bench", f"unknown mode {name!r} in --modes; choose from {', '.join(MODES)}")
+            _check_mode("bench", name)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            _fail("bench", "--plot needs matplotlib, which is not installed; pip install matplotlib, or drop --plot")
+    names = ["ddp"] + [n for n in dict.fromkeys(names) if n != "ddp"]
+    from shardopt.bench import run_bench
+
+    return run_bench(args, names, world, _threads(args, world), _run_launched)
+
+
+# ---------------------------------------------------------------------- estimate
+
+
+def _load_factory(command: str, spec: str) -> torch.nn.Module:
+    if spec in PRESETS:
+        from shardopt.models import GPT
+
+        return GPT(PRESETS[spec])
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        _fail(command, f"--model {spec!r} must be a preset ({', '.join(sorted(PRESETS))}) or "
+              "package.module:factory, e.g. torchvision.models:resnet50")
+    import importlib
+
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        _fail(command, f"--model {spec!r}: cannot load {attr!r} from {module_name!r} ({exc})")
+    model = factory() if callable(factory) else factory
+    if not isinstance(model, torch.nn.Module):
+        _fail(command, f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    largest = None
+    if args.model is not None:
+        with torch.device("meta"):
+            model = _load_factory("estimate", args.model)
+        sizes = [p.numel() for p in model.parameters()]
+        if not sizes:
+            _fail("estimate", f"--model {args.model!r} has no parameters")
+        num_params, largest = sum(sizes), max(sizes)
+    else:
+        num_params = args.params
+    try:
+        est = estimate_model_states(num_params, args.world_size, mixed_precision=not args.fp32,
+                                    optimizer_bytes_per_param=args.optimizer_bytes, largest_layer_params=largest)
+    except ValueError as exc:
+        _fail("estimate", str(exc))
+    from shardopt.cli_render import render_estimate, write_json
+
+    render_estimate(est)
+    if args.json:
+        write_json(args.json, {"command": "estimate", **est.as_dict(), "unit": "bytes"})
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardopt`` console script and ``python -m shardopt``.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit code (0 on success). Bad arguments raise ``SystemExit(2)`` after one line
+        on stderr; Ctrl-C ends every rank and exits 130.
+    """
+    args = build_parser().parse_args(argv)
+    handlers = {"demo": _demo, "bench": _bench, "estimate": _estimate}
+    return handlers[args.command](args)

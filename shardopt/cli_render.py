@@ -1,0 +1,147 @@
+"""What the ``shardopt`` command shows: the demo's rank entry point, progress bar and tables.
+
+The demo entry point :func:`demo_rank` runs on every rank (started by the elastic launcher
+or by torchrun); global rank 0 draws a rich progress bar while training and then the
+per-rank table, and writes the JSON. The estimate and bench tables are drawn by the
+launching process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from shardopt import runner
+from shardopt.memory import GB, ModelStateEstimate, capabilities
+
+__all__ = ["demo_rank", "demo_table", "machine_info", "mib", "render_estimate", "write_json"]
+
+MiB = 2.0**20
+
+
+def mib(value: float | None) -> str:
+    """``value`` bytes as MiB with one decimal, or ``"n/a"``."""
+    return "n/a" if value is None else f"{value / MiB:.1f}"
+
+
+def machine_info() -> dict[str, Any]:
+    """Where and when a measurement was taken, for JSON and captions."""
+    return {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "measures": capabilities()}
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON to ``path`` atomically (temp file, then rename)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+
+
+def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Table:
+    """The demo's closing table: one row per rank, and the mean loss in the caption.
+
+    Args:
+        job: the job that ran.
+        reports: every rank's report.
+
+    Returns:
+        The rich table.
+    """
+    first = reports[0]
+    mean_loss = statistics.fmean(r.final_loss for r in reports)
+    median = statistics.median(r.median_step_s for r in reports if r.median_step_s is not None) \
+        if all(r.median_step_s is not None for r in reports) else None
+    tokens_s = f"{first.tokens_per_step / median:,.0f}" if median else "n/a"
+    table = Table(title=f"shardopt demo: {job.mode}, model {job.preset} ({first.num_params / 1e6:.2f}M params), "
+                        f"{first.world_size} ranks ({first.backend})",
+                  caption=f"final loss (mean over ranks) {mean_loss:.4f}; {tokens_s} tokens/s; steps "
+                          f"{first.start_step}->{job.steps}, statistics over {first.counted_steps} steps after "
+                          f"{job.warmup_steps} warm-up; heap is relative to before the model was built")
+    for name in ("rank", "heap after step (MiB)", "heap peak (MiB)", "sent/step (MiB)", "median step (ms)",
+                 "final loss"):
+        table.add_column(name, justify="right")
+    for r in reports:
+        step_ms = "n/a" if r.median_step_s is None else f"{1000 * r.median_step_s:.1f}"
+        table.add_row(str(r.rank), mib(r.heap_after_step), mib(r.heap_peak), mib(r.bytes_per_step), step_ms,
+                      f"{r.final_loss:.4f}")
+    return table
+
+
+@record
+def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any]] | None:
+    """One rank of ``shardopt demo``: join the group, train, and on rank 0 show and save results.
+
+    Args:
+        job: the training job (identical on every rank).
+        json_path: where rank 0 writes the JSON results, or ``None``.
+
+    Returns:
+        On global rank 0 every rank's report as dicts; ``None`` on other ranks.
+    """
+    runner.init_process_group_from_env()
+    try:
+        rank = dist.get_rank()
+        console = Console()
+        if rank != 0:
+            runner.train(job)
+            return None
+        console.print(f"shardopt demo: training {job.preset} with {job.mode} on {dist.get_world_size()} ranks, "
+                      f"{job.steps} steps")
+        columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("loss {task.fields[loss]}"),
+                   TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("train", total=job.steps, loss="-", tps="-")
+
+            def on_step(info: runner.StepInfo) -> None:
+                progress.update(task, completed=info.step, loss=f"{info.loss:.4f}", tps=f"{info.tokens_per_s:,.0f}")
+
+            reports = runner.train(job, on_step)
+        console.print(demo_table(job, reports))
+        payload = [r.as_dict() for r in reports]
+        if json_path:
+            write_json(json_path, {"command": "demo", "job": {**job.__dict__}, "machine": machine_info(),
+                                    "final_loss": statistics.fmean(r.final_loss for r in reports),
+                                    "ranks": payload})
+        return payload
+    finally:
+        dist.destroy_process_group()
+
+
+def render_estimate(est: ModelStateEstimate) -> None:
+    """Print the ZeRO-paper estimate as a rich table.
+
+    Args:
+        est: the estimate to show.
+    """
+    precision = "mixed precision" if est.param_bytes == 2 else "fp32"
+    table = Table(title=f"model states per rank: {est.num_params:,} params, {est.world_size} ranks, {precision}, "
+                        f"K={est.optimizer_bytes_per_param:g}",
+                  caption="ZeRO paper (Rajbhandari et al. 2020) formulas; GB = 1e9 bytes; activations, buffers "
+                          "and fragmentation not included")
+    table.add_column("setup")
+    table.add_column("bytes per rank", justify="right")
+    table.add_column("GB", justify="right")
+    table.add_column("vs DDP", justify="right")
+    for name, value in (("DDP", est.ddp), ("ZeRO-1 (OSS)", est.stage1), ("ZeRO-2 (OSS + ShardedDDP)", est.stage2),
+                        ("ZeRO-3 (FSDP)", est.stage3)):
+        table.add_row(name, f"{value:,.0f}", f"{value / GB:.1f}" if value >= GB else f"{value / GB:.3f}",
+                      f"{value / est.ddp:.3f}x")
+    Console().print(table)
+    if est.largest_layer_params is not None:
+        Console().print(f"largest parameter tensor: {est.largest_layer_params:,} params; ZeRO-3 gathers at least "
+                        f"{est.largest_layer_params * est.param_bytes / GB:.3f} GB at once")

@@ -1,0 +1,312 @@
+"""Model-state memory: the ZeRO paper's estimates, and process-level measurements.
+
+Two halves. :func:`estimate_model_states` applies the formulas of the ZeRO paper
+(Rajbhandari et al., 2020, section 3 and Figure 1) to a parameter count. The measuring half
+reads what the process really did, for use in any training loop:
+
+- :func:`bytes_sent` reads ``wchar`` from ``/proc/self/io``: every byte this process handed
+  to ``write``/``send`` system calls, which includes everything gloo puts on its sockets.
+  The delta around a training step is the bytes that step sent (nothing else may print or
+  write inside the window).
+- :func:`heap_bytes` calls glibc's ``mallinfo2()`` and returns ``uordblks + hblkhd``: bytes
+  in use in the malloc arenas plus those in mmap'ed chunks, which is where CPU tensors live.
+- On CUDA, :func:`device_memory` reads ``torch.cuda.memory_allocated`` and its peak.
+
+:class:`MemoryRecorder` puts these together: take a baseline before the model is built,
+call :meth:`MemoryRecorder.sample` after forward, backward and step, and wrap counted steps
+in :meth:`MemoryRecorder.step` to get bytes sent and seconds per step. Where a source is
+unavailable (not Linux, not glibc) the readings are ``None`` and :func:`capabilities` says
+why, instead of reporting zeros.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "MemoryRecorder",
+    "ModelStateEstimate",
+    "StepRecord",
+    "bytes_sent",
+    "capabilities",
+    "device_memory",
+    "estimate_model_states",
+    "heap_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelStateEstimate:
+    """Model-state bytes per rank for DDP and ZeRO stages 1-3 (ZeRO paper, Figure 1).
+
+    With ``Psi`` parameters, ``K`` optimizer-state bytes per parameter and ``N`` ranks, mixed
+    precision keeps 2-byte parameters and 2-byte gradients: DDP holds ``(2 + 2 + K) Psi``,
+    stage 1 ``(2 + 2) Psi + K Psi / N``, stage 2 ``2 Psi + (2 + K) Psi / N`` and stage 3
+    ``(2 + 2 + K) Psi / N``. In fp32 the parameter and gradient terms are 4 bytes each.
+
+    Attributes:
+        num_params: Psi.
+        world_size: N.
+        optimizer_bytes_per_param: K (12 for mixed-precision Adam: fp32 master weights,
+            momentum and variance; 8 for fp32 Adam).
+        param_bytes: bytes of one parameter as the model holds it (2 or 4).
+        grad_bytes: bytes of one gradient (2 or 4).
+        largest_layer_params: the biggest single parameter tensor, when known (ZeRO-3 must
+            gather at least that much at once); ``None`` for a bare count.
+    """
+
+    num_params: int
+    world_size: int
+    optimizer_bytes_per_param: float
+    param_bytes: int
+    grad_bytes: int
+    largest_layer_params: int | None = None
+
+    @property
+    def ddp(self) -> float:
+        """Bytes per rank with plain data parallelism (everything replicated)."""
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes_per_param) * self.num_params
+
+    @property
+    def stage1(self) -> float:
+        """Bytes per rank with optimizer state partitioned (ZeRO-1, ``OSS``)."""
+        return (self.param_bytes + self.grad_bytes) * self.num_params + (
+            self.optimizer_bytes_per_param * self.num_params / self.world_size)
+
+    @property
+    def stage2(self) -> float:
+        """Bytes per rank with optimizer state and gradients partitioned (ZeRO-2)."""
+        return self.param_bytes * self.num_params + (
+            (self.grad_bytes + self.optimizer_bytes_per_param) * self.num_params / self.world_size)
+
+    @property
+    def stage3(self) -> float:
+        """Bytes per rank with parameters partitioned too (ZeRO-3)."""
+        return self.ddp / self.world_size
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        """Inputs and the four per-rank byte counts, for JSON."""
+        return {
+            "num_params": self.num_params, "world_size": self.world_size,
+            "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
+            "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+            "largest_layer_params": self.largest_layer_params,
+            "ddp_bytes": self.ddp, "stage1_bytes": self.stage1, "stage2_bytes": self.stage2,
+            "stage3_bytes": self.stage3,
+        }
+
+
+def estimate_model_states(
+    num_params: int,
+    world_size: int,
+    mixed_precision: bool = True,
+    optimizer_bytes_per_param: float | None = None,
+    largest_layer_params: int | None = None,
+) -> ModelStateEstimate:
+    """Model-state bytes per rank under DDP and ZeRO 1/2/3 (see :class:`ModelStateEstimate`).
+
+    Example: the paper's 7.5B-parameter model on 64 ranks with mixed-precision Adam gives
+    120 / 31.4 / 16.6 / 1.9 GB.
+
+    Args:
+        num_params: parameters in the model (Psi).
+        world_size: data-parallel ranks (N).
+        mixed_precision: fp16/bf16 parameters and gradients with fp32 optimizer state
+            (default K=12); otherwise fp32 everywhere (default K=8, Adam's two moments).
+        optimizer_bytes_per_param: K, overriding the default for the precision.
+        largest_layer_params: the biggest parameter tensor, carried into the result.
+
+    Returns:
+        The estimate.
+
+    Raises:
+        ValueError: a count is not positive or K is negative.
+    """
+    if num_params < 1:
+        raise ValueError(f"num_params must be >= 1, got {num_params}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    k = optimizer_bytes_per_param
+    if k is None:
+        k = 12.0 if mixed_precision else 8.0
+    if k < 0:
+        raise ValueError(f"optimizer_bytes_per_param must be >= 0, got {k}")
+    width = 2 if mixed_precision else 4
+    return ModelStateEstimate(int(num_params), int(world_size), float(k), width, width, largest_layer_params)
+
+
+# ---------------------------------------------------------------------- measuring
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _load_mallinfo2() -> tuple[object | None, str]:
+    if not sys.platform.startswith("linux"):
+        return None, f"heap measurement needs glibc's mallinfo2 (Linux); this is {sys.platform}"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None, "heap measurement needs glibc >= 2.33 (mallinfo2); this C library lacks it"
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return fn, "glibc mallinfo2: uordblks + hblkhd"
+
+
+_MALLINFO2, _HEAP_SOURCE = _load_mallinfo2()
+_IO_PATH = "/proc/self/io"
+
+
+def heap_bytes() -> int | None:
+    """Bytes this process has allocated through malloc and not freed, or ``None`` if unknown.
+
+    Returns:
+        ``uordblks + hblkhd`` from glibc's ``mallinfo2()`` (arena bytes in use plus mmap'ed
+        chunks), or ``None`` off glibc (see :func:`capabilities`).
+    """
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()  # type: ignore[operator]
+    return int(info.uordblks + info.hblkhd)
+
+
+def bytes_sent() -> int | None:
+    """Total bytes this process has written to files and sockets (``wchar``), or ``None``.
+
+    Returns:
+        ``wchar`` from ``/proc/self/io``; ``None`` where that file does not exist.
+    """
+    try:
+        with open(_IO_PATH, "rb") as f:
+            for line in f:
+                if line.startswith(b"wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def device_memory() -> tuple[int, int] | None:
+    """``(allocated, peak allocated)`` bytes on the current CUDA device, or ``None`` without CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return int(torch.cuda.memory_allocated()), int(torch.cuda.max_memory_allocated())
+
+
+def capabilities() -> dict[str, str | None]:
+    """What each measurement reads on this machine, or why it is unavailable.
+
+    Returns:
+        ``{"heap": ..., "bytes_sent": ...}``: a description of the source when it works,
+        else a sentence saying why it reads ``None``.
+    """
+    io = "/proc/self/io wchar" if bytes_sent() is not None else (
+        f"bytes sent needs {_IO_PATH} (Linux with task I/O accounting); unavailable here")
+    return {"heap": _HEAP_SOURCE, "bytes_sent": io}
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one counted step cost.
+
+    Attributes:
+        seconds: wall time of the step.
+        bytes_sent: bytes written by this process during the step (``None`` if unknown).
+    """
+
+    seconds: float
+    bytes_sent: int | None
+
+
+@dataclass
+class MemoryRecorder:
+    """Heap, bytes sent and step time of one process over a training loop.
+
+    How it works: :meth:`start` reads the baseline heap (call it before building the model,
+    so the figures are what the model, its gradients, optimizer state and activations
+    cost). :meth:`sample` reads the heap (and CUDA memory) at chosen points, e.g. after
+    forward, backward and step; labels are kept so the peak can be attributed. Wrapping a
+    step in ``with recorder.step():`` records its wall time and ``wchar`` delta.
+
+    Attributes:
+        baseline_heap: heap bytes at :meth:`start`.
+        samples: ``(label, heap bytes above baseline)`` per :meth:`sample` call.
+        steps: one :class:`StepRecord` per counted step.
+        device_peak: the largest CUDA allocation peak seen, on GPU.
+    """
+
+    baseline_heap: int | None = None
+    samples: list[tuple[str, int]] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    device_peak: int | None = None
+
+    def start(self) -> None:
+        """Record the baseline heap; call before the model is built."""
+        self.baseline_heap = heap_bytes()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+
+    def sample(self, label: str) -> int | None:
+        """Read the heap now (bytes above baseline) and keep it under ``label``.
+
+        Args:
+            label: where in the step this is, e.g. ``"forward"``, ``"backward"``, ``"step"``.
+
+        Returns:
+            Heap bytes above the baseline, or ``None`` when the heap cannot be read.
+        """
+        heap = heap_bytes()
+        dev = device_memory()
+        if dev is not None:
+            self.device_peak = max(self.device_peak or 0, dev[1])
+        if heap is None or self.baseline_heap is None:
+            return None
+        self.samples.append((label, heap - self.baseline_heap))
+        return heap - self.baseline_heap
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Time the enclosed step and count the bytes it sent; keeps a :class:`StepRecord`."""
+        sent0 = bytes_sent()
+        t0 = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - t0
+        sent1 = bytes_sent()
+        delta = None if sent0 is None or sent1 is None else sent1 - sent0
+        self.steps.append(StepRecord(seconds, delta))
+
+    def peak(self) -> int | None:
+        """The largest sampled heap above baseline, or ``None`` without samples."""
+        return max((v for _, v in self.samples), default=None)
+
+    def last(self, label: str) -> int | None:
+        """The most recent sample taken under ``label``, or ``None``."""
+        return next((v for name, v in reversed(self.samples) if name == label), None)
+
+    def median_step_s(self) -> float | None:
+        """Median wall time of the counted steps, or ``None`` when none were counted."""
+        return statistics.median(s.seconds for s in self.steps) if self.steps else None
+
+    def mean_bytes_sent(self) -> float | None:
+        """Mean bytes sent per counted step, or ``None`` when unknown."""
+        sent = [s.bytes_sent for s in self.steps]
+        if not sent or any(b is None for b in sent):
+            return None
+        return statistics.fmean(b for b in sent if b is not None)

@@ -1,0 +1,217 @@
+"""The training modes the ``shardopt`` command can run, shardopt's own and peers', by name.
+
+Each :class:`Mode` says what it needs (a shardopt component that may not be built yet, or a
+third-party peer such as fairscale) and how to wrap a freshly built model into a
+:class:`Wrapped` model + optimizer. Peers are imported inside :meth:`Mode.unavailable` and
+the builders, never at module import, so ``import shardopt`` never imports fairscale.
+
+Modes: ``ddp`` (torch DDP + Adam: the reference), ``zero1`` (DDP + :class:`~shardopt.optim.
+OSS`), ``zero2`` (OSS + ``shardopt.nn.ShardedDataParallel``), ``zero3``
+(``shardopt.nn.FullyShardedDataParallel``); peers ``torch-zero`` (DDP + torch's
+``ZeroRedundancyOptimizer``), ``fairscale`` (fairscale OSS + ShardedDDP with
+``zero_grad(set_to_none=False)``), ``fairscale-default`` (the same with the optimizer's
+default ``zero_grad()``), ``fsdp2`` and ``fsdp2-reshard`` (torch ``fully_shard`` with
+``reshard_after_forward`` False and True).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardopt.optim import OSS
+
+__all__ = ["MODES", "OWN_MODES", "PEER_MODES", "Mode", "Wrapped", "full_parameters", "get_mode"]
+
+
+@dataclass
+class Wrapped:
+    """A model wrapped for one mode, with its optimizer and the calls that differ per mode.
+
+    Attributes:
+        model: what to call for the forward pass.
+        module: the unwrapped model (its parameters are full unless the mode shards them).
+        optimizer: the optimizer to step.
+        no_sync: a context manager factory that skips gradient reduction (accumulation).
+        zero_grad: clears gradients the way this mode must.
+        sharded_params: whether ``module``'s parameters are shards (ZeRO-3 / FSDP2), so
+            full values need :func:`full_parameters` and checkpoints must be sharded.
+    """
+
+    model: nn.Module
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    no_sync: Callable[[], ContextManager[Any]]
+    zero_grad: Callable[[], None]
+    sharded_params: bool = False
+
+
+Builder = Callable[[nn.Module, float, Any], Wrapped]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to train data-parallel.
+
+    Attributes:
+        name: the CLI name.
+        summary: one line for help and tables.
+        requires: ``(module, attribute)`` that must import, or ``None``.
+        install_hint: what to do when it is missing.
+        build: ``build(module, lr, device)`` -> :class:`Wrapped`; called on every rank.
+        peer: whether this is another library's implementation (benchmark comparison).
+    """
+
+    name: str
+    summary: str
+    requires: tuple[str, str] | None
+    install_hint: str
+    build: Builder
+    peer: bool = False
+
+    def unavailable(self) -> str | None:
+        """``None`` when this mode can run here, else a one-line reason with the fix."""
+        if self.requires is None:
+            return None
+        module_name, attr = self.requires
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            return f"mode {self.name!r} needs {module_name}, which is not installed; {self.install_hint}"
+        if not hasattr(module, attr):
+            return f"mode {self.name!r} needs {module_name}.{attr}, which this installation lacks; {self.install_hint}"
+        return None
+
+
+def _plain_no_sync() -> ContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def _build_ddp(module: nn.Module, lr: float, device: Any) -> Wrapped:
+    model = DDP(module, device_ids=[device] if device.type == "cuda" else None)
+    opt = torch.optim.Adam(module.parameters(), lr=lr)
+    return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
+
+
+def _build_zero1(module: nn.Module, lr: float, device: Any) -> Wrapped:
+    model = DDP(module, device_ids=[device] if device.type == "cuda" else None)
+    opt = OSS(module.parameters(), optim=torch.optim.Adam, lr=lr)
+    return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
+
+
+def _build_zero2(module: nn.Module, lr: float, device: Any) -> Wrapped:
+    from shardopt.nn import ShardedDataParallel
+
+    opt = OSS(module.parameters(), optim=torch.optim.Adam, lr=lr)
+    model = ShardedDataParallel(module, opt)
+    return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
+
+
+def _build_zero3(module: nn.Module, lr: float, device: Any) -> Wrapped:
+    import shardopt.nn as snn
+
+    model = snn.FullyShardedDataParallel(module)  # type: ignore[attr-defined]
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    no_sync = getattr(model, "no_sync", _plain_no_sync)
+    return Wrapped(model, module, opt, no_sync, lambda: opt.zero_grad(set_to_none=True), sharded_params=True)
+
+
+def _build_torch_zero(module: nn.Module, lr: float, device: Any) -> Wrapped:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = DDP(module, device_ids=[device] if device.type == "cuda" else None)
+    opt = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
+    return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
+
+
+def _fairscale_builder(set_to_none: bool | None) -> Builder:
+    def build(module: nn.Module, lr: float, device: Any) -> Wrapped:
+        from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
+        from fairscale.optim import OSS as FairscaleOSS
+
+        opt = FairscaleOSS(module.parameters(), optim=torch.optim.Adam, lr=lr)
+        model = FairscaleSDP(module, opt)
+        zero_grad: Callable[[], None] = opt.zero_grad if set_to_none is None else (
+            lambda: opt.zero_grad(set_to_none=False))
+        return Wrapped(model, module, opt, model.no_sync, zero_grad)
+
+    return build
+
+
+def _fsdp2_builder(reshard_after_forward: bool) -> Builder:
+    def build(module: nn.Module, lr: float, device: Any) -> Wrapped:
+        from torch.distributed.fsdp import fully_shard
+
+        for child in getattr(module, "blocks", []):
+            fully_shard(child, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, reshard_after_forward=reshard_after_forward)
+        opt = torch.optim.Adam(module.parameters(), lr=lr)
+        return Wrapped(module, module, opt, _plain_no_sync, lambda: opt.zero_grad(set_to_none=True),
+                       sharded_params=True)
+
+    return build
+
+
+_FAIRSCALE_HINT = "install it with: pip install fairscale==0.4.13"
+_OWN_HINT = "update shardopt to a version that ships it, or pick another mode"
+
+MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("ddp", "torch DDP + Adam (reference)", None, "", _build_ddp),
+    Mode("zero1", "DDP + shardopt OSS (ZeRO-1)", None, "", _build_zero1),
+    Mode("zero2", "shardopt OSS + ShardedDataParallel (ZeRO-2)", ("shardopt.nn", "ShardedDataParallel"),
+         _OWN_HINT, _build_zero2),
+    Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn", "FullyShardedDataParallel"),
+         _OWN_HINT, _build_zero3),
+    Mode("torch-zero", "DDP + torch ZeroRedundancyOptimizer", ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
+         "it ships with torch.distributed", _build_torch_zero, peer=True),
+    Mode("fairscale", "fairscale OSS + ShardedDDP, zero_grad(set_to_none=False)", ("fairscale", "__version__"),
+         _FAIRSCALE_HINT, _fairscale_builder(False), peer=True),
+    Mode("fairscale-default", "fairscale OSS + ShardedDDP, default zero_grad()", ("fairscale", "__version__"),
+         _FAIRSCALE_HINT, _fairscale_builder(None), peer=True),
+    Mode("fsdp2", "torch fully_shard, reshard_after_forward=False", ("torch.distributed.fsdp", "fully_shard"),
+         "it needs torch >= 2.6", _fsdp2_builder(False), peer=True),
+    Mode("fsdp2-reshard", "torch fully_shard, reshard_after_forward=True", ("torch.distributed.fsdp", "fully_shard"),
+         "it needs torch >= 2.6", _fsdp2_builder(True), peer=True),
+)}
+OWN_MODES = tuple(name for name, m in MODES.items() if not m.peer)
+PEER_MODES = tuple(name for name, m in MODES.items() if m.peer)
+
+
+def get_mode(name: str) -> Mode:
+    """The :class:`Mode` called ``name``.
+
+    Raises:
+        ValueError: no mode has that name (the message lists them).
+    """
+    if name not in MODES:
+        raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
+    return MODES[name]
+
+
+def full_parameters(wrapped: Wrapped) -> dict[str, torch.Tensor]:
+    """Full CPU copies of every parameter by name; a collective for sharded modes (call on all ranks).
+
+    Args:
+        wrapped: the mode's model.
+
+    Returns:
+        ``{name: tensor}`` with names as in the unwrapped model.
+    """
+    if not wrapped.sharded_params:
+        return {n: p.detach().cpu().clone() for n, p in wrapped.module.named_parameters()}
+    summon = getattr(wrapped.model, "summon_full_params", None)
+    if summon is not None:
+        with summon():
+            return {n: p.detach().cpu().clone() for n, p in wrapped.module.named_parameters()}
+    out = {}
+    for name, param in wrapped.module.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name] = full.detach().cpu().clone()
+    return out

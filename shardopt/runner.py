@@ -1,0 +1,289 @@
+"""One rank's training run for ``shardopt demo`` and ``shardopt bench``: build, train, measure.
+
+:func:`train` runs on every rank of an initialised process group (started by the CLI with
+torch's elastic launcher, or by ``torchrun``). It builds the built-in GPT with a fixed seed,
+wraps it for the chosen :mod:`~shardopt.modes` mode, trains on the built-in corpus with
+different data per rank, and measures with :class:`~shardopt.memory.MemoryRecorder`: the
+heap baseline is read before the model is built; heap is sampled after forward, backward
+and step; every step after the warm-up is timed and its bytes sent counted, with the ranks
+aligned by a barrier before each step (the barrier itself is outside the counted window).
+It never prints: rank 0 reports progress through a callback. Every rank returns the reports
+of all ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardopt import checkpoint, comm
+from shardopt.memory import MemoryRecorder
+from shardopt.models import PRESETS, CharBatches, build_model, stdlib_corpus
+from shardopt.modes import Wrapped, full_parameters, get_mode
+
+__all__ = ["RankReport", "StepInfo", "TrainJob", "init_process_group_from_env", "train"]
+
+logger = logging.getLogger(__name__)
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a rank needs to run; the same object on every rank.
+
+    Attributes:
+        mode: a name in :data:`shardopt.modes.MODES`.
+        preset: a model preset in :data:`shardopt.models.PRESETS`.
+        steps: optimizer steps to reach (a resumed run continues to this step).
+        batch_size: sequences per micro-batch per rank.
+        grad_accum_steps: micro-batches per optimizer step (all but the last under ``no_sync``).
+        lr: Adam learning rate.
+        seed: model initialisation and data sampling seed.
+        amp: ``None``, ``"bf16"`` or ``"fp16"`` (fp16 uses a gradient scaler).
+        warmup_steps: first steps left out of the timing and bytes statistics.
+        checkpoint_path: where to save (a file, or a folder for sharded-parameter modes).
+        resume: load ``checkpoint_path`` first when it exists.
+        save_every_steps: save every this many steps (0: only at the end).
+        params_out: rank 0 saves the final full parameters here (``torch.save``), for comparisons.
+        corpus_bytes: how much of the built-in corpus to read.
+        threads_per_rank: intra-op threads per rank.
+    """
+
+    mode: str = "zero2"
+    preset: str = "small"
+    steps: int = 300
+    batch_size: int = 8
+    grad_accum_steps: int = 1
+    lr: float = 1e-3
+    seed: int = 0
+    amp: str | None = None
+    warmup_steps: int = 2
+    checkpoint_path: str | None = None
+    resume: bool = False
+    save_every_steps: int = 0
+    params_out: str | None = None
+    corpus_bytes: int = 4 * 2**20
+    threads_per_rank: int = 1
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What rank 0 reports after each step.
+
+    Attributes:
+        step: steps completed.
+        total_steps: the target.
+        loss: rank 0's loss of this step.
+        tokens_per_s: tokens trained per second over all ranks, this step.
+    """
+
+    step: int
+    total_steps: int
+    loss: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's measurements (bytes are relative to the heap before the model was built).
+
+    Attributes:
+        rank: global rank.
+        world_size: ranks in the run.
+        mode: the mode name.
+        num_params: parameters of the full model.
+        heap_after_step: heap bytes after the last optimizer step.
+        heap_peak: the largest heap sample (after forward, backward or step).
+        bytes_per_step: mean bytes sent per counted step.
+        median_step_s: median wall time of the counted steps.
+        step_times_s: every counted step's wall time.
+        counted_steps: how many steps the statistics cover.
+        final_loss: this rank's loss at the last step.
+        start_step: the step training started from (non-zero after a resume).
+        tokens_per_step: tokens per optimizer step over all ranks.
+        device_peak: CUDA peak allocated bytes, on GPU.
+        backend: the process group backend.
+        heap_source: what the heap figures read (or why they are missing).
+    """
+
+    rank: int
+    world_size: int
+    mode: str
+    num_params: int
+    heap_after_step: int | None
+    heap_peak: int | None
+    bytes_per_step: float | None
+    median_step_s: float | None
+    step_times_s: tuple[float, ...]
+    counted_steps: int
+    final_loss: float
+    start_step: int
+    tokens_per_step: int
+    device_peak: int | None
+    backend: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values for JSON."""
+        out = asdict(self)
+        out["step_times_s"] = list(self.step_times_s)
+        return out
+
+
+def init_process_group_from_env(timeout_s: float = 600.0) -> torch.device:
+    """Join the process group described by torchrun-style environment variables.
+
+    Picks NCCL with one GPU per local rank when there are enough GPUs, else gloo (on the
+    loopback interface when there is one). Does nothing to the group when it exists.
+
+    Args:
+        timeout_s: the collective timeout.
+
+    Returns:
+        The device this rank trains on.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    elif "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+
+
+def _make_scaler(job: TrainJob, device: torch.device) -> Any | None:
+    if job.amp != "fp16":
+        return None
+    if job.mode in ("ddp", "torch-zero"):
+        return torch.amp.GradScaler(device.type)
+    from shardopt.optim.grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device.type)
+
+
+def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> None:
+    assert job.checkpoint_path is not None
+    extra = {"step": step, "mode": job.mode, "preset": job.preset, "seed": job.seed,
+             "scaler": scaler.state_dict() if scaler is not None else None}
+    if wrapped.sharded_params:
+        checkpoint.save_sharded(job.checkpoint_path, wrapped.model, wrapped.optimizer, extra)
+    else:
+        checkpoint.save_consolidated(job.checkpoint_path, wrapped.module, wrapped.optimizer, extra)
+
+
+def _resume(job: TrainJob, wrapped: Wrapped, scaler: Any | None) -> int:
+    path = job.checkpoint_path
+    if not job.resume or path is None or not os.path.exists(path):
+        return 0
+    if wrapped.sharded_params:
+        extra = checkpoint.load_sharded(path, wrapped.model, wrapped.optimizer)
+    else:
+        extra = checkpoint.load_consolidated(path, wrapped.module, wrapped.optimizer)
+    if extra.get("preset") != job.preset or extra.get("seed") != job.seed:
+        raise ValueError(f"checkpoint {path!r} was saved for model {extra.get('preset')!r} with seed "
+                         f"{extra.get('seed')!r}, not {job.preset!r}/{job.seed}; resume with the same "
+                         "--model and --seed, or point --checkpoint elsewhere")
+    if scaler is not None and extra.get("scaler"):
+        scaler.load_state_dict(extra["scaler"])
+    return int(extra["step"])
+
+
+def _one_step(job: TrainJob, wrapped: Wrapped, batches: CharBatches, step: int, scaler: Any | None,
+              recorder: MemoryRecorder, device: torch.device) -> float:
+    wrapped.zero_grad()
+    autocast = (torch.autocast(device.type, dtype=AMP_DTYPES[job.amp]) if job.amp is not None
+                else contextlib.nullcontext())
+    loss_value = 0.0
+    for micro in range(job.grad_accum_steps):
+        tokens, targets = (t.to(device) for t in batches.batch(step, micro))
+        sync = contextlib.nullcontext() if micro == job.grad_accum_steps - 1 else wrapped.no_sync()
+        with sync:
+            with autocast:
+                loss = wrapped.model(tokens, targets) / job.grad_accum_steps
+            recorder.sample("forward")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            recorder.sample("backward")
+        loss_value += float(loss.detach())
+    if scaler is not None:
+        scaler.step(wrapped.optimizer)
+        scaler.update()
+    else:
+        wrapped.optimizer.step()
+    recorder.sample("step")
+    return loss_value
+
+
+def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> list[RankReport]:
+    """Run ``job`` on this rank; a collective (every rank calls it with the same job).
+
+    Args:
+        job: what to run.
+        on_step: called on rank 0 after every step, outside the measured window.
+
+    Returns:
+        Every rank's :class:`RankReport`, indexed by rank (the same list on every rank).
+
+    Raises:
+        ValueError: unknown mode or preset, or a checkpoint saved for another model.
+        RuntimeError: no process group (call :func:`init_process_group_from_env` first).
+    """
+    comm.require_initialized("shardopt.runner.train")
+    mode = get_mode(job.mode)
+    if job.preset not in PRESETS:
+        raise ValueError(f"unknown model preset {job.preset!r}; choose one of {sorted(PRESETS)}")
+    torch.set_num_threads(job.threads_per_rank)
+    rank, world = comm.group_rank(None), comm.group_size(None)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    cfg = PRESETS[job.preset]
+    batches = CharBatches(stdlib_corpus(job.corpus_bytes), job.batch_size, cfg.seq_len, rank, job.seed)
+    recorder = MemoryRecorder()
+    recorder.start()
+    module = build_model(cfg, seed=job.seed, device=device)
+    num_params = sum(p.numel() for p in module.parameters())
+    wrapped = mode.build(module, job.lr, device)
+    scaler = _make_scaler(job, device)
+    start = _resume(job, wrapped, scaler)
+    tokens_per_step = job.batch_size * cfg.seq_len * job.grad_accum_steps * world
+    loss = float("nan")
+    for step in range(start, job.steps):
+        comm.barrier(None)
+        t0 = time.perf_counter()
+        with recorder.step():
+            loss = _one_step(job, wrapped, batches, step, scaler, recorder, device)
+        seconds = time.perf_counter() - t0
+        done = step + 1
+        if job.checkpoint_path and job.save_every_steps and done % job.save_every_steps == 0 and done < job.steps:
+            _save(job, wrapped, done, scaler)
+        if rank == 0 and on_step is not None:
+            on_step(StepInfo(done, job.steps, loss, tokens_per_step / seconds))
+    if job.checkpoint_path and job.steps > start:
+        _save(job, wrapped, job.steps, scaler)
+    counted = recorder.steps[job.warmup_steps:]
+    times = tuple(s.seconds for s in counted)
+    sent = [s.bytes_sent for s in counted]
+    report = RankReport(
+        rank=rank, world_size=world, mode=job.mode, num_params=num_params,
+        heap_after_step=recorder.last("step"), heap_peak=recorder.peak(),
+        bytes_per_step=(sum(b for b in sent if b is not None) / len(sent)) if sent and None not in sent else None,
+        median_step_s=statistics.median(times) if times else None,
+        step_times_s=times, counted_steps=len(counted), final_loss=loss, start_step=start,
+        tokens_per_step=tokens_per_step, device_peak=recorder.device_peak, backend=str(dist.get_backend()),
+    )
+    if job.params_out is not None:
+        params = full_parameters(wrapped)
+        if rank == 0:
+            torch.save(params, job.params_out)
+    return list(comm.all_gather_object(report, None))
