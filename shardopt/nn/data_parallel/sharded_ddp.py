@@ -316,8 +316,13 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ state
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero (or drop) the gradients of every parameter, and anything set aside."""
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero (or drop) the gradients of every parameter, and anything set aside.
+
+        Args:
+            set_to_none: drop the gradients instead of zeroing them (default ``False``, as
+                fairscale's; either is safe, see Note [owner's gradient across backward passes]).
+        """
         self.module.zero_grad(set_to_none=set_to_none)
         self._set_aside.clear()
         self._written.clear()
@@ -343,8 +348,22 @@ class ShardedDataParallel(nn.Module):
             comm.wait_all(pending)
         return pending
 
-    def to(self, *args: Any, **kwargs: Any) -> ShardedDataParallel:  # type: ignore[override]
-        """Move the wrapped module, then rebuild the optimizers' plans and the buckets."""
-        self.module.to(*args, **kwargs)
+    def to(  # type: ignore[override]
+        self,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        non_blocking: bool = False,
+    ) -> ShardedDataParallel:
+        """Move the wrapped module, then rebuild the optimizers' plans and the buckets. All ranks.
+
+        Args:
+            device: the target device.
+            dtype: the target floating dtype.
+            non_blocking: as for ``torch.nn.Module.to``.
+
+        Returns:
+            ``self``.
+        """
+        self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
         self.refresh_trainable()
         return self
