@@ -129,8 +129,8 @@ class ShardedDataParallel(nn.Module):
     def _trainable_signature(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.module.parameters())
 
-    def _owners(self) -> dict[nn.Parameter, int]:
-        owners: dict[nn.Parameter, int] = {}
+    def _owners(self) -> dict[torch.Tensor, int]:
+        owners: dict[torch.Tensor, int] = {}
         for opt in self.sharded_optimizers:
             for i, p in enumerate(opt.params):
                 if p in owners:
