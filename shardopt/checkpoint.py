@@ -25,6 +25,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from shardopt import comm
 from shardopt.optim import OSS
@@ -40,13 +46,13 @@ _META_FILE = "shardopt_meta.pt"
 # Note [sharded optimizer layout]
 # An OSS rank holds the state of the parameters it owns. Its entries are saved under
 # "optim.<global parameter index>.<state name>", so the folder holds every entry exactly
-# once and a load at another world size works: each rank asks for the indices it owns under
-# the new partition. Any other optimizer (a plain torch.optim over a DDP model, or one over a
-# rank's shards of a ZeRO-3 model) is saved per rank under "optim.rank<r>.<index>.<name>";
-# such a folder loads only at the world size that wrote it, which load_sharded checks.
-# Non-tensor state values and param-group hyperparameters go in a small metadata file that
-# rank 0 writes next to dcp's files.
-
+# once and a load at another world size works: each rank asks dcp for the indices it owns
+# under the new partition, shaped from the folder's metadata. Non-tensor state values and
+# the param-group hyperparameters go in a small metadata file that rank 0 writes next to
+# dcp's files. Any other optimizer (a plain torch.optim over a DDP model, or one over the
+# DTensor shards of an FSDP2 model) goes through torch's own
+# torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict, which key state
+# by parameter name and let dcp deduplicate replicated tensors and reshard DTensors.
 
 def _rank() -> int:
     return comm.group_rank(None) if dist.is_available() and dist.is_initialized() else 0
@@ -159,21 +165,14 @@ def _groups_hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def _optim_entries(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's optimizer state split into tensors (for dcp) and other values (for the meta file)."""
+def _oss_entries(optimizer: OSS) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's OSS state split into tensors (for dcp) and other values (for the meta file)."""
     tensors: dict[str, torch.Tensor] = {}
     others: dict[str, Any] = {}
-    if isinstance(optimizer, OSS):
-        index = {p: i for i, p in enumerate(optimizer.params)}
-        prefix = ""
-        state: Mapping[Any, Any] = optimizer.optim.state
-    else:
-        index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        prefix = f"rank{_rank()}."
-        state = optimizer.state
-    for param, entry in state.items():
+    index = {p: i for i, p in enumerate(optimizer.params)}
+    for param, entry in optimizer.optim.state.items():
         for name, value in entry.items():
-            key = f"{prefix}{index[param]}.{name}"
+            key = f"{index[param]}.{name}"
             if isinstance(value, torch.Tensor):
                 tensors[key] = value
             else:
@@ -186,18 +185,17 @@ def save_sharded(
 ) -> None:
     """Write a sharded checkpoint folder with ``torch.distributed.checkpoint``. Call on every rank.
 
-    How it works: the model's ``state_dict()`` (full tensors are written once, DTensor
-    shards by their owners) and this rank's optimizer entries (Note [sharded optimizer
-    layout]) go to ``dcp.save`` in ``<path>.tmp``; non-tensor values from every rank, the
-    param-group hyperparameters and ``extra`` go to a metadata file; then rank 0 moves the
-    finished folder to ``path``. A crash mid-save leaves the previous ``path`` untouched.
+    How it works: the model's state and the optimizer's (Note [sharded optimizer layout])
+    go to ``dcp.save`` in ``<path>.tmp``, where every rank writes only what it holds and
+    replicated tensors are written once; non-tensor values, hyperparameters and ``extra``
+    go to a metadata file; then rank 0 moves the finished folder to ``path``. A crash
+    mid-save leaves the previous ``path`` untouched.
 
     Args:
         path: the folder to write (replaced when it exists; must be on a file system all
             ranks see).
-        model: the model whose ``state_dict()`` to save (wrapped or not, as long as loading
-            uses the same object kind).
-        optimizer: the optimizer, or ``None``.
+        model: the model (wrapped or not; load with the same kind of object).
+        optimizer: an :class:`OSS`, any other ``torch.optim`` optimizer, or ``None``.
         extra: small picklable values saved alongside.
     """
     path = os.path.abspath(path)
@@ -205,14 +203,22 @@ def save_sharded(
     if _rank() == 0 and os.path.exists(staging):
         shutil.rmtree(staging)
     _barrier()
-    tensors, others = _optim_entries(optimizer) if optimizer is not None else ({}, {})
-    dcp.save({"model": model.state_dict(), "optim": tensors}, checkpoint_id=staging)
+    others: dict[str, Any] = {}
+    if isinstance(optimizer, OSS):
+        tensors, others = _oss_entries(optimizer)
+        state: dict[str, Any] = {"model": model.state_dict(), "optim": tensors}
+    elif optimizer is not None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=staging)
     gathered = comm.all_gather_object(others, None) if _world() > 1 else [others]
     if _rank() == 0:
         meta = {
             "format": SHARDED_FORMAT, "world_size": _world(),
-            "optim_kind": "oss" if isinstance(optimizer, OSS) else ("per_rank" if optimizer is not None else None),
-            "param_groups": _groups_hyper(optimizer) if optimizer is not None else None,
+            "optim_kind": "oss" if isinstance(optimizer, OSS) else ("torch" if optimizer is not None else None),
+            "param_groups": _groups_hyper(optimizer) if isinstance(optimizer, OSS) else None,
             "optim_values": {k: v for part in gathered for k, v in part.items()},
             "extra": dict(extra or {}),
         }
@@ -232,11 +238,11 @@ def save_sharded(
 
 
 def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Load a folder written by :func:`save_sharded`. Call on every rank.
+    """Load a folder written by :func:`save_sharded`, at any world size. Call on every rank.
 
     Args:
         path: the checkpoint folder.
-        model: the model to load into (same kind as at save time).
+        model: the model to load into (same kind of object as at save time).
         optimizer: the optimizer to load into, or ``None`` to skip optimizer state.
 
     Returns:
@@ -244,8 +250,7 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
 
     Raises:
         FileNotFoundError: ``path`` is not a sharded checkpoint folder.
-        ValueError: per-rank optimizer state saved at another world size, or a different
-            optimizer kind than the one given.
+        ValueError: the folder holds another kind of optimizer state than ``optimizer``.
     """
     path = os.path.abspath(path)
     meta_path = os.path.join(path, _META_FILE)
@@ -253,70 +258,57 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         raise FileNotFoundError(f"no sharded checkpoint at {path!r} (missing {_META_FILE}); save one first "
                                 "with save_sharded")
     meta = torch.load(meta_path, map_location="cpu", weights_only=True)
-    model_state = model.state_dict()
-    state: dict[str, Any] = {"model": model_state}
     kind = meta["optim_kind"]
     if optimizer is not None and kind is not None:
-        ours = "oss" if isinstance(optimizer, OSS) else "per_rank"
+        ours = "oss" if isinstance(optimizer, OSS) else "torch"
         if ours != kind:
             raise ValueError(f"the checkpoint at {path!r} holds {kind!r} optimizer state but the optimizer given "
-                             f"is {type(optimizer).__name__} ({ours!r}); load with the same kind of optimizer")
-        if kind == "per_rank" and meta["world_size"] != _world():
-            raise ValueError(f"the checkpoint at {path!r} was saved by {meta['world_size']} ranks with per-rank "
-                             f"optimizer state and cannot be loaded by {_world()}; resume at world size "
-                             f"{meta['world_size']} or save with OSS, whose state reshards")
-        state["optim"] = _optim_template(path, optimizer)
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(model_state)
-    if optimizer is not None and kind is not None:
-        _restore_optimizer(optimizer, state["optim"], meta)
+                             f"is a {type(optimizer).__name__} ({ours!r}); load with the kind of optimizer that "
+                             "saved it, or pass optimizer=None to load the model only")
+    if isinstance(optimizer, OSS) and kind == "oss":
+        model_state = model.state_dict()
+        state: dict[str, Any] = {"model": model_state, "optim": _oss_template(path, optimizer)}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(model_state)
+        _restore_oss(optimizer, state["optim"], meta)
+    elif optimizer is not None and kind == "torch":
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        model_state = get_model_state_dict(model)
+        dcp.load({"model": model_state}, checkpoint_id=path)
+        set_model_state_dict(model, model_state)
     return dict(meta["extra"])
 
 
-def _owned_indices(optimizer: torch.optim.Optimizer) -> tuple[str, list[torch.Tensor], list[int]]:
-    if isinstance(optimizer, OSS):
-        params = list(optimizer.params)
-        owned = [i for i in range(len(params)) if optimizer.owns(i) and optimizer.partition.sizes[i] > 0]
-        return "", params, owned
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return f"rank{_rank()}.", params, list(range(len(params)))
-
-
-def _optim_template(path: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Empty tensors for the optimizer entries this rank must read, shaped from dcp's metadata."""
+def _oss_template(path: str, optimizer: OSS) -> dict[str, torch.Tensor]:
+    """Empty tensors for the entries this rank owns under the current partition, shaped from dcp's metadata."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    prefix, params, owned = _owned_indices(optimizer)
-    wanted = {f"optim.{prefix}{i}." for i in owned}
+    params = optimizer.params
+    owned = {i for i in range(len(params)) if optimizer.owns(i) and optimizer.partition.sizes[i] > 0}
     template: dict[str, torch.Tensor] = {}
     for key, item in metadata.items():
         if not key.startswith("optim.") or not isinstance(item, TensorStorageMetadata):
             continue
-        head = key[: key.index(".", len(f"optim.{prefix}")) + 1]
-        if head in wanted:
-            index = int(head[len(f"optim.{prefix}"):-1])
-            template[key[len("optim."):]] = torch.empty(
-                item.size, dtype=item.properties.dtype).to(params[index].device)
+        index_text, _ = key[len("optim."):].split(".", 1)
+        if int(index_text) in owned:
+            template[key[len("optim."):]] = torch.empty(item.size, dtype=item.properties.dtype).to(
+                params[int(index_text)].device)
     return template
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    prefix, params, owned = _owned_indices(optimizer)
-    entries: dict[int, dict[str, Any]] = {i: {} for i in owned}
-    values = {**meta["optim_values"], **tensors}
-    for key, value in values.items():
-        if not key.startswith(prefix):
-            continue
-        index_text, name = key[len(prefix):].split(".", 1)
-        if int(index_text) in entries:
-            entries[int(index_text)][name] = value
+def _restore_oss(optimizer: OSS, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Rebuild the owned shard's state as a plain state dict and load it through OSS's public API."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in {**meta["optim_values"], **tensors}.items():
+        index_text, name = key.split(".", 1)
+        index = int(index_text)
+        if optimizer.owns(index) and optimizer.partition.sizes[index] > 0:
+            state.setdefault(index, {})[name] = value
+    groups, start = [], 0
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
-        group.update(saved)
-    target = optimizer.optim if isinstance(optimizer, OSS) else optimizer
-    target.state.clear()
-    for index, entry in entries.items():
-        if entry:
-            target.state[params[index]] = entry
-    if isinstance(optimizer, OSS):
-        optimizer.state = optimizer.optim.state  # type: ignore[assignment]
-        for group, shard_group in zip(optimizer.param_groups, optimizer.optim.param_groups):
-            shard_group.update({k: v for k, v in group.items() if k != "params"})
+        groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
