@@ -1,0 +1,15 @@
+"""ZeRO stage 3: ``FullyShardedDataParallel`` on flat-parameter units, with its policies."""
+
+from shardopt.nn.fsdp.api import FullyShardedDataParallel
+from shardopt.nn.fsdp.state import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from shardopt.nn.fsdp.wrap import ModuleClassPolicy, NameGlobPolicy, SizePolicy
+
+__all__ = [
+    "BackwardPrefetch",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
+    "ModuleClassPolicy",
+    "NameGlobPolicy",
+    "ShardingStrategy",
+    "SizePolicy",
+]

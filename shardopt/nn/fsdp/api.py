@@ -1,0 +1,709 @@
+"""``FullyShardedDataParallel``: ZeRO stage 3 on flat-parameter units.
+
+The wrapper owns one :class:`~shardopt.nn.fsdp.unit.Unit` and drives it from forward hooks
+and autograd hooks; the outermost wrapper that runs a forward first becomes the *root* and
+keeps the per-step state shared by all units (recorded execution order, reductions in
+flight, the end-of-backward callback guard, ``no_sync``).
+
+Note [hook order]
+* pre-forward: unshard this unit (waiting on a prefetch), record the execution order in the
+  first step, optionally prefetch the next unit, wrap the forward's tensor inputs in an
+  identity autograd function whose backward is this unit's post-backward;
+* post-forward: with autograd off, reshard (nothing will come back for the gathered
+  parameters; the root also reshards any prefetched unit a no-grad forward left gathered);
+  with autograd on, reshard unless the strategy keeps parameters to the backward, and hook
+  every output tensor that requires grad with the pre-backward hook;
+* pre-backward (first gradient of any output): queue the root's end-of-backward callback
+  once, unshard, optionally prefetch the unit that runs next in backward;
+* post-backward (gradients of all forward inputs computed, counted over every forward of
+  the unit in this step): reduce-scatter the unit's gradients and reshard;
+* end of backward (root callback): reduce, in module-tree order, every unit whose
+  post-backward could not fire (inputs without grad, e.g. token ids into the root), wait for
+  all reductions, write sharded gradients, reshard everything.
+Units whose post-backward fires in a hook do so in backward order, which is the same on
+every rank, and the rest follow in a fixed order, so collectives match across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from shardopt import comm
+from shardopt.nn.fsdp import optim_state
+from shardopt.nn.fsdp.flat_param import FlatParamHandle
+from shardopt.nn.fsdp.state import (
+    BackwardPrefetch,
+    MixedPrecision,
+    ShardedState,
+    ShardingStrategy,
+    TrainingState,
+    UnitConfig,
+)
+from shardopt.nn.fsdp.unit import PendingReduce, Unit
+from shardopt.nn.fsdp.wrap import AutoWrapPolicy, claim_params, owner_of, registrations
+
+__all__ = ["FullyShardedDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+_WRAPPED = "_fsdp_wrapped_module"
+_MAX_REDUCES_IN_FLIGHT = 2
+
+
+def clean_name(name: str) -> str:
+    """A parameter/buffer name without the wrapper levels FSDP inserted."""
+    return name.replace(_WRAPPED + ".", "")
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a forward's inputs whose backward runs the unit's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, owner: FullyShardedDataParallel, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.owner = owner
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.owner._post_backward()
+        return (None,) + grads
+
+
+def _make_config(
+    strategy: ShardingStrategy,
+    process_group: Any,
+    device_mesh: Any,
+    mixed_precision: MixedPrecision | None,
+    forward_prefetch: bool,
+    backward_prefetch: BackwardPrefetch | None,
+    limit_all_gathers: bool,
+) -> UnitConfig:
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(
+            f"sharding_strategy must be a ShardingStrategy, got {strategy!r}; use e.g. ShardingStrategy.FULL_SHARD"
+        )
+    if mixed_precision is None:
+        mixed_precision = MixedPrecision()
+    if not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}; "
+            "use MixedPrecision(param_dtype=torch.bfloat16, ...)"
+        )
+    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+        raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if device_mesh is not None:
+            if device_mesh.ndim != 2:
+                raise ValueError(
+                    f"HYBRID_SHARD needs a 2-D device_mesh (replicate, shard), got {device_mesh.ndim} dimensions"
+                )
+            replicate, shard = device_mesh.get_group(0), device_mesh.get_group(1)
+        elif isinstance(process_group, tuple) and len(process_group) == 2:
+            shard, replicate = process_group
+        else:
+            raise ValueError(
+                f"HYBRID_SHARD needs process_group=(shard_group, replicate_group) or a 2-D device_mesh, got "
+                f"process_group={process_group!r}; build the groups with torch.distributed.new_group or "
+                "torch.distributed.device_mesh.init_device_mesh"
+            )
+    else:
+        if isinstance(process_group, tuple):
+            raise ValueError(
+                f"a (shard_group, replicate_group) pair is only meaningful with HYBRID_SHARD, got it with {strategy}; "
+                "pass one process group"
+            )
+        group = process_group
+        if device_mesh is not None:
+            if device_mesh.ndim != 1:
+                raise ValueError(f"{strategy} needs a 1-D device_mesh, got {device_mesh.ndim} dimensions")
+            group = device_mesh.get_group()
+        shard, replicate = (None, group) if strategy is ShardingStrategy.NO_SHARD else (group, None)
+    no_shard = strategy is ShardingStrategy.NO_SHARD
+    return UnitConfig(
+        strategy=strategy,
+        shard_group=shard,
+        shard_size=1 if no_shard else comm.group_size(shard),
+        shard_rank=0 if no_shard else comm.group_rank(shard),
+        replicate_group=replicate,
+        replicate_size=comm.group_size(replicate) if replicate is not None or no_shard else 1,
+        mixed_precision=mixed_precision,
+        forward_prefetch=bool(forward_prefetch),
+        backward_prefetch=backward_prefetch,
+        limit_all_gathers=bool(limit_all_gathers),
+    )
+
+
+def _materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> None:
+    tensors = list(module.parameters()) + list(module.buffers())
+    if not any(t.is_meta for t in tensors):
+        if param_init_fn is not None:
+            warnings.warn(
+                "param_init_fn is ignored: the module has no parameters or buffers on the meta device",
+                UserWarning,
+                stacklevel=3,
+            )
+        return
+    if param_init_fn is not None:
+        param_init_fn(module)
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        module.to_empty(device=device)
+        for sub in module.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(
+            f"after meta-device initialisation these tensors are still on the meta device: {left[:5]}; "
+            "param_init_fn must materialise every parameter and buffer (e.g. module.to_empty(device=...) then "
+            "initialise), or give each submodule a reset_parameters()"
+        )
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state over ranks (ZeRO-3).
+
+    How it works: the parameters of the wrapped module that no nested unit owns are flattened
+    into one buffer padded to a multiple of the shard group size; each rank keeps its
+    ``1/N`` slice (Note [flat parameter layout] in ``flat_param``). The original parameters
+    stay registered under their original names and are views: of this rank's slice between
+    steps, of the all-gathered buffer during forward and backward. Gradients are multiplied
+    by ``1/N`` and reduce-scattered after each unit's backward, so every rank holds only its
+    gradient slice (Note [hook order]). ``parameters()`` therefore yields the sharded fp32
+    master pieces, and any ``torch.optim`` optimizer built on them steps only this rank's
+    shard with sharded state. Shared parameters are owned by the lowest unit enclosing
+    all their users (Note [shared parameters] in ``wrap``).
+
+    Args:
+        module: the module to wrap (not already a ``FullyShardedDataParallel``).
+        process_group: the group to shard over (default: the world); for HYBRID_SHARD a
+            ``(shard_group, replicate_group)`` pair.
+        sharding_strategy: see :class:`ShardingStrategy`.
+        mixed_precision: see :class:`MixedPrecision`; ``None`` computes in the parameters' dtype.
+        auto_wrap_policy: ``policy(module, qualified_name, unwrapped_numel) -> bool`` deciding
+            which submodules become nested units (see ``shardopt.nn.fsdp.wrap``).
+        device_mesh: alternative to ``process_group``: 1-D, or 2-D ``(replicate, shard)`` for
+            HYBRID_SHARD.
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding.
+        param_init_fn: materialises a module created on the meta device; without it such a
+            module is moved with ``to_empty`` and each submodule's ``reset_parameters()`` runs.
+        ignored_modules: modules whose parameters FSDP neither shards nor reduces.
+        forward_prefetch: gather the next unit (recorded forward order) during a forward.
+        backward_prefetch: when to gather the next unit during backward, or ``None``.
+        limit_all_gathers: hold at most one prefetched, not yet used unit at a time.
+
+    Raises:
+        ValueError: ``module`` is already wrapped, a shared parameter crosses units wrapped
+            by hand, inconsistent process groups for the strategy, or meta tensors remain.
+        TypeError: wrong argument types, or one unit's parameters of several dtypes.
+        RuntimeError: torch.distributed is not initialised.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+        mixed_precision: MixedPrecision | None = None,
+        auto_wrap_policy: AutoWrapPolicy | None = None,
+        device_mesh: Any = None,
+        sync_module_states: bool = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        forward_prefetch: bool = False,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        limit_all_gathers: bool = True,
+    ) -> None:
+        super().__init__()
+        comm.require_initialized("FullyShardedDataParallel")
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                "module is already a FullyShardedDataParallel; wrapping it again would shard a flat "
+                "shard. Wrap the plain module once (nest units by wrapping submodules first, or use auto_wrap_policy)"
+            )
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if auto_wrap_policy is not None and not callable(auto_wrap_policy):
+            raise TypeError(
+                f"auto_wrap_policy must be callable(module, name, unwrapped_numel) -> bool, got {auto_wrap_policy!r}"
+            )
+        config = _make_config(
+            sharding_strategy, process_group, device_mesh, mixed_precision,
+            forward_prefetch, backward_prefetch, limit_all_gathers,
+        )
+        ignored = {id(m) for top in (ignored_modules or ()) for m in top.modules()}
+        _materialize(module, param_init_fn)
+        if sync_module_states:
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                comm.broadcast(tensor.data, 0, None, label="shardopt::fsdp::sync_module_states").wait()
+        buffer_dtype = config.mixed_precision.buffer_dtype
+        if buffer_dtype is not None:
+            for sub in module.modules():
+                for name, buf in sub._buffers.items():
+                    if buf is not None and buf.is_floating_point():
+                        sub._buffers[name] = buf.to(buffer_dtype)
+        if auto_wrap_policy is not None:
+            _auto_wrap(module, "", auto_wrap_policy, config, registrations(module), ignored)
+        self._setup(module, "", config, set(), ignored)
+
+    @classmethod
+    def _nested(cls, module: nn.Module, name: str, config: UnitConfig, excluded: set[int],
+                ignored: set[int]) -> FullyShardedDataParallel:
+        unit = cls.__new__(cls)
+        nn.Module.__init__(unit)
+        unit._setup(module, name, config, excluded, ignored)
+        return unit
+
+    def _setup(self, module: nn.Module, name: str, config: UnitConfig, excluded: set[int], ignored: set[int]) -> None:
+        self._fsdp_wrapped_module = module
+        self._config = config
+        self._unit = Unit(name, None, config)
+        params = claim_params(
+            module,
+            self._unit,
+            is_unit=lambda m: isinstance(m, FullyShardedDataParallel),
+            unit_of=lambda m: m._unit,
+            excluded=excluded,
+            ignored=ignored,
+        )
+        if params:
+            self._unit.handle = FlatParamHandle(
+                params, config.shard_rank, config.shard_size, config.mixed_precision.param_dtype
+            )
+        self._is_root: bool | None = None
+        # Plain attribute, not a registered submodule (that would make the tree cyclic).
+        object.__setattr__(self, "_root", self)
+        self._training_state = TrainingState.IDLE
+        # Root-only step state (Note [hook order]).
+        self._exec_order: list[FullyShardedDataParallel] = []
+        self._exec_order_done = False
+        self._callback_queued = False
+        self._pending: deque[PendingReduce] = deque()
+        self._no_sync = False
+        self._hook_handles: list[Any] = []
+        logger.debug("FSDP unit %r: %d parameters", name, len(params))
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == _WRAPPED:
+                raise
+            return getattr(self._modules[_WRAPPED], name)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """Every ``FullyShardedDataParallel`` in ``module``'s tree (module order).
+
+        Args:
+            module: any module.
+            root_only: only the outermost ones.
+
+        Returns:
+            The wrappers, ``module`` itself included when it is one.
+        """
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if root_only:
+            nested = {id(n) for m in found for n in m.modules() if n is not m and isinstance(n, FullyShardedDataParallel)}
+            found = [m for m in found if id(m) not in nested]
+        return found
+
+    def _units(self) -> list[FullyShardedDataParallel]:
+        return FullyShardedDataParallel.fsdp_modules(self)
+
+    def _lazy_init(self) -> FullyShardedDataParallel:
+        if self._is_root is None:
+            self._is_root = True
+            for m in self._units():
+                if m is not self:
+                    m._is_root = False
+                    object.__setattr__(m, "_root", self)
+        return self._root
+
+    def _require_root(self, what: str) -> None:
+        if self._is_root is False:
+            raise ValueError(
+                f"{what} must be called on the root FullyShardedDataParallel (the outermost wrapper), "
+                f"not on the nested unit {self._unit.name!r}"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module's forward on gathered parameters (Note [hook order])."""
+        root = self._lazy_init()
+        if self._training_state is TrainingState.SUMMON_FULL_PARAMS:
+            raise ValueError(
+                f"forward of FSDP unit {self._unit.name!r} was called inside summon_full_params; "
+                "run the forward after leaving the summon_full_params context"
+            )
+        grad = torch.is_grad_enabled()
+        with torch.profiler.record_function("shardopt::fsdp::pre_forward"):
+            if not root._exec_order_done and self not in root._exec_order:
+                root._exec_order.append(self)
+            self._unit.unshard_()
+            self._unit.prefetched = False
+            if grad:
+                self._unit.forward_calls += 1
+                self._training_state = self._training_state.advance(TrainingState.FORWARD_BACKWARD, self._unit.rank)
+            if self._config.forward_prefetch:
+                root._prefetch(self, forward=True)
+            param_dtype = self._config.mixed_precision.param_dtype
+            if param_dtype is not None:
+                args, kwargs = pytree.tree_map_only(
+                    torch.Tensor, lambda t: t.to(param_dtype) if t.is_floating_point() else t, (args, kwargs)
+                )
+            if grad:
+                args, kwargs = self._hook_inputs(args, kwargs)
+        out = self._fsdp_wrapped_module(*args, **kwargs)
+        with torch.profiler.record_function("shardopt::fsdp::post_forward"):
+            self._post_forward(out, grad)
+        return out
+
+    def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        outs = (outs,) if len(idx) == 1 else outs
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        self._unit.hooked_calls += 1
+        return pytree.tree_unflatten(flat, spec)  # type: ignore[no-any-return]
+
+    def _post_forward(self, out: Any, grad: bool) -> None:
+        if not grad:
+            # Nothing comes back for these parameters: never leave a unit gathered after a
+            # no-grad forward, or the next forward would trust stale views (torch PR 110139).
+            self._unit.reshard_()
+            if self._is_root:
+                for m in self._units():
+                    m._unit.reshard_()
+                self._exec_order_done = True
+            return
+        if self._config.reshard_after_forward and not self._is_root:
+            self._unit.reshard_()
+        hook = functools.partial(FullyShardedDataParallel._pre_backward, self)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self._root._hook_handles.append(t.register_hook(hook))
+        if self._is_root:
+            self._exec_order_done = True
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        root = self._root
+        if not root._callback_queued:
+            root._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
+        with torch.profiler.record_function("shardopt::fsdp::pre_backward"):
+            self._unit.unshard_()
+            self._unit.prefetched = False
+            if self._config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                root._prefetch(self, forward=False)
+
+    def _post_backward(self) -> None:
+        unit = self._unit
+        unit.post_backward_calls += 1
+        if unit.reduced or unit.hooked_calls < unit.forward_calls or unit.post_backward_calls < unit.forward_calls:
+            return  # another forward of this unit still has its backward to run
+        with torch.profiler.record_function("shardopt::fsdp::post_backward"):
+            self._reduce()
+            if self._config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+                self._root._prefetch(self, forward=False)
+
+    def _reduce(self) -> None:
+        root = self._root
+        pending = self._unit.reduce_grads_(root._no_sync)
+        if pending is not None:
+            root._pending.append(pending)
+            while len(root._pending) > _MAX_REDUCES_IN_FLIGHT:
+                done = root._pending.popleft()
+                done.unit.finish_reduce_(done)
+
+    def _finish_backward(self) -> None:
+        with torch.profiler.record_function("shardopt::fsdp::finish_backward"):
+            units = self._units()
+            for m in reversed(units):
+                if m._unit.needs_reduction():
+                    m._reduce()
+            while self._pending:
+                done = self._pending.popleft()
+                done.unit.finish_reduce_(done)
+            for m in units:
+                m._unit.reshard_()
+                m._unit.reset_step_()
+                m._training_state = m._training_state.advance(TrainingState.IDLE, m._unit.rank)
+            for handle in self._hook_handles:
+                handle.remove()
+            self._hook_handles = []
+            self._callback_queued = False
+
+    def _prefetch(self, current: FullyShardedDataParallel, forward: bool) -> None:
+        if not self._exec_order_done or current not in self._exec_order:
+            return
+        i = self._exec_order.index(current) + (1 if forward else -1)
+        if not 0 <= i < len(self._exec_order):
+            return
+        target = self._exec_order[i]._unit
+        if target.handle is None or target.sharded_state is not ShardedState.SHARDED:
+            return
+        if not forward and (target.forward_calls == 0 or target.reduced):
+            return  # it did not run forward in this step, or its backward is done
+        if self._config.limit_all_gathers and any(m._unit.prefetched for m in self._exec_order):
+            return
+        target.unshard_(async_op=True)
+        target.prefetched = True
+
+    # ------------------------------------------------------------------ public API
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (unsharded, full size) without communicating.
+
+        The next backward outside the context reduces the accumulated sum. Must be used on
+        the root; the optimizer must not step inside it.
+
+        Raises:
+            ValueError: called on a nested unit.
+        """
+        self._require_root("no_sync()")
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    @contextlib.contextmanager
+    def summon_full_params(
+        self,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Show the full, original-shaped parameters (master dtype) inside the context.
+
+        How it works: each unit all-gathers its fp32 shard into a temporary flat buffer and
+        points its parameters at views of it; on exit this rank's slice is copied back into
+        its shard (``writeback``) and the parameters point at their shard pieces again.
+
+        Args:
+            recurse: also the nested units (else only this unit's own parameters).
+            writeback: keep changes made to the parameters inside the context.
+            rank0_only: only rank 0 sees full parameters (others still take part).
+            offload_to_cpu: keep the gathered copy in CPU memory.
+            with_grads: also show full gradients (read-only: they are not written back).
+
+        Raises:
+            ValueError: ``rank0_only`` with ``writeback``.
+        """
+        if rank0_only and writeback:
+            raise ValueError(
+                "summon_full_params(rank0_only=True, writeback=True) is not supported: ranks other than 0 "
+                "hold no full copy to write back; pass writeback=False"
+            )
+        units = self._units() if recurse else [self]
+        visible = not rank0_only or comm.group_rank(None) == 0
+        entered: list[tuple[FullyShardedDataParallel, Any]] = []
+        try:
+            for m in units:
+                if m._training_state is TrainingState.SUMMON_FULL_PARAMS:
+                    continue  # already summoned by an enclosing call
+                record = m._unit.summon_(with_grads, visible, offload_to_cpu)
+                m._training_state = TrainingState.SUMMON_FULL_PARAMS
+                entered.append((m, record))
+            yield
+        finally:
+            for m, record in entered:
+                m._unit.unsummon_(record, writeback)
+                m._training_state = TrainingState.IDLE
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """Apply ``fn`` to every submodule with full parameters (written back to the shards)."""
+        if self._training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return super().apply(fn)
+        with self.summon_full_params(recurse=True, writeback=True):
+            return super().apply(fn)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Original parameters with their original names (wrapper levels removed)."""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield clean_name(name), param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Buffers with their original names (wrapper levels removed)."""
+        for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield clean_name(name), buf
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+    ) -> dict[str, Any]:
+        """The full (unsharded) state dict with original names, cloned.
+
+        Args:
+            *args, destination, prefix, keep_vars: as for ``nn.Module.state_dict``; when a
+                parent module's ``state_dict`` recurses into this wrapper they pass through.
+            rank0_only: only rank 0 returns the tensors (others return ``{}``).
+            offload_to_cpu: return CPU tensors.
+
+        Returns:
+            ``{name: tensor}`` with original parameter and buffer names.
+        """
+        if args or destination is not None or prefix:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        out: dict[str, Any] = OrderedDict()
+        with self.summon_full_params(recurse=True, writeback=False, rank0_only=rank0_only,
+                                     offload_to_cpu=offload_to_cpu):
+            if not rank0_only or comm.group_rank(None) == 0:
+                for name, value in super().state_dict(keep_vars=True).items():
+                    value = value.detach().clone()
+                    out[clean_name(name)] = value.cpu() if offload_to_cpu else value
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a full state dict (original names) into the shards.
+
+        Args:
+            state_dict: as returned by :meth:`state_dict` (every rank passes it).
+            strict: as for ``nn.Module.load_state_dict``.
+            assign: must be False (the parameters are views into the flat shard).
+
+        Returns:
+            ``nn.Module.load_state_dict``'s missing/unexpected keys, with original names.
+
+        Raises:
+            ValueError: ``assign=True``.
+        """
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) would replace parameters that are views into the flat shard; "
+                "use assign=False"
+            )
+        raw = {clean_name(k): k for k in super().state_dict(keep_vars=True)}
+        translated = OrderedDict((raw.get(k, k), v) for k, v in state_dict.items())
+        with self.summon_full_params(recurse=True, writeback=True):
+            result = super().load_state_dict(translated, strict=strict)
+        result.missing_keys[:] = [clean_name(k) for k in result.missing_keys]
+        result.unexpected_keys[:] = [clean_name(k) for k in result.unexpected_keys]
+        return result
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the sharded gradients by their global norm, like ``torch.nn.utils.clip_grad_norm_``.
+
+        How it works: every rank computes the ``norm_type`` power sum (or max) over its
+        gradient pieces, one all-reduce over the shard group combines them (replicas hold
+        equal values and are not counted twice), unsharded parameters of ignored modules add
+        their local terms, and every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``.
+
+        Args:
+            max_norm: the largest allowed total norm.
+            norm_type: the p of the p-norm; ``float("inf")`` for the max norm.
+
+        Returns:
+            The total norm before clipping (fp32 scalar).
+
+        Raises:
+            ValueError: called on a nested unit, or ``max_norm``/``norm_type`` not positive.
+        """
+        self._require_root("clip_grad_norm_()")
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not max_norm > 0 or not norm_type > 0:
+            raise ValueError(
+                f"clip_grad_norm_ needs max_norm > 0 and norm_type > 0, got max_norm={max_norm}, norm_type={norm_type}"
+            )
+        sharded: list[torch.Tensor] = []
+        for m in self._units():
+            if m._unit.handle is not None:
+                sharded += [p.grad for p in m._unit.handle.params if p.grad is not None]
+        others = [p.grad for p in self.parameters() if p.grad is not None and owner_of(p) is None]
+        inf = norm_type == float("inf")
+        device = sharded[0].device if sharded else torch.device("cpu")
+
+        def local(grads: list[torch.Tensor]) -> torch.Tensor:
+            if not grads:
+                return torch.zeros((), dtype=torch.float32, device=device)
+            norms = [g.detach().float().abs().max() if inf else g.detach().float().norm(norm_type) ** norm_type
+                     for g in grads if g.numel()]
+            if not norms:
+                return torch.zeros((), dtype=torch.float32, device=device)
+            stacked = torch.stack(norms)
+            return stacked.max() if inf else stacked.sum()
+
+        total = local(sharded)
+        if self._config.shard_size > 1:
+            comm.all_reduce(total, self._config.shard_group, op="max" if inf else "sum",
+                            label="shardopt::fsdp::clip_grad_norm").wait()
+        extra = local(others)
+        total = torch.maximum(total, extra) if inf else (total + extra) ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in sharded + others:
+            g.detach().mul_(coef.to(g.dtype))
+        return total
+
+    # ------------------------------------------------------------------ optimizer state
+    @staticmethod
+    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True) -> dict[str, Any]:
+        """Consolidate a sharded optimizer's state into a plain full state dict.
+
+        See :func:`shardopt.nn.fsdp.optim_state.full_optim_state_dict`.
+        """
+        units = [m._unit for m in FullyShardedDataParallel.fsdp_modules(model)]
+        return optim_state.full_optim_state_dict(units, {clean_name(n): p for n, p in model.named_parameters()}, optim, rank0_only)
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_osd: dict[str, Any], model: nn.Module,
+                                    optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """Cut a full optimizer state dict to this rank's shard (any world size).
+
+        See :func:`shardopt.nn.fsdp.optim_state.shard_full_optim_state_dict`.
+        """
+        units = [m._unit for m in FullyShardedDataParallel.fsdp_modules(model)]
+        return optim_state.shard_full_optim_state_dict(full_osd, units, {clean_name(n): p for n, p in model.named_parameters()}, optim)
+
+
+def _auto_wrap(module: nn.Module, prefix: str, policy: AutoWrapPolicy, config: UnitConfig,
+               regs: dict[int, list[str]], ignored: set[int]) -> None:
+    """Wrap, bottom-up, every submodule ``policy`` selects (the root is wrapped by the caller).
+
+    Submodules already wrapped by hand are left as they are, so the two ways of nesting
+    combine; ignored modules are not entered.
+    """
+    for child_name, child in list(module.named_children()):
+        if isinstance(child, FullyShardedDataParallel) or id(child) in ignored:
+            continue
+        qual = f"{prefix}{child_name}"
+        _auto_wrap(child, qual + ".", policy, config, regs, ignored)
+        unwrapped = sum(p.numel() for p in child.parameters() if owner_of(p) is None)
+        if policy(child, qual, unwrapped):
+            # Note [shared parameters]: leave parameters also used outside to an enclosing unit.
+            excluded = {pid for pid, users in regs.items()
+                        if any(u != qual and not u.startswith(qual + ".") for u in users)}
+            setattr(module, child_name, FullyShardedDataParallel._nested(child, qual, config, excluded, ignored))

@@ -1,0 +1,166 @@
+"""Optimizer state of FSDP models: consolidate to a plain full state dict, re-shard it.
+
+An optimizer built on ``FullyShardedDataParallel(...).parameters()`` sees 1-D pieces of the
+original parameters (Note [flat parameter layout]), so its per-parameter state tensors
+(``exp_avg``, ``momentum_buffer``, ...) are pieces too. Consolidation gathers each piece into
+the parameter's full shape and keys everything by original parameter name; the result
+has no trace of the world size and can be re-sharded for any world size, strategy or
+wrapping of the same model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardopt import comm
+from shardopt.nn.fsdp.flat_param import ParamSlot
+from shardopt.nn.fsdp.unit import Unit
+
+__all__ = ["full_optim_state_dict", "shard_full_optim_state_dict"]
+
+
+def _locate(units: list[Unit]) -> dict[int, tuple[Unit, ParamSlot]]:
+    where: dict[int, tuple[Unit, ParamSlot]] = {}
+    for unit in units:
+        if unit.handle is not None:
+            for p, slot in zip(unit.handle.params, unit.handle.layout.slots):
+                where[id(p)] = (unit, slot)
+    return where
+
+
+def _is_piece(value: Any, slot: ParamSlot) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == slot.piece_numel
+
+
+def _gather_piece(unit: Unit, slot: ParamSlot, piece: torch.Tensor) -> torch.Tensor:
+    handle = unit.handle
+    assert handle is not None
+    layout = handle.layout
+    shard = torch.zeros(layout.shard_numel, dtype=piece.dtype, device=piece.device)
+    shard[slot.shard_begin : slot.shard_begin + slot.piece_numel].copy_(piece)
+    if unit.config.shard_size == 1:
+        full = shard
+    else:
+        full = torch.empty(layout.padded_numel, dtype=piece.dtype, device=piece.device)
+        comm.all_gather_into(full, shard, unit.config.shard_group, label="shardopt::fsdp::optim_state").wait()
+    return full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+
+
+def full_optim_state_dict(
+    units: list[Unit], named_params: dict[str, nn.Parameter], optim: torch.optim.Optimizer, rank0_only: bool
+) -> dict[str, Any]:
+    """Gather a sharded optimizer's state into full-shaped tensors keyed by parameter name.
+
+    Collective: every rank of the model's groups must call it.
+
+    Args:
+        units: the model's FSDP units.
+        named_params: the model's parameters by original name.
+        optim: an optimizer over (some of) those parameters.
+        rank0_only: return the result on global rank 0 only (others get ``{}``).
+
+    Returns:
+        ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``.
+
+    Raises:
+        ValueError: the optimizer holds a parameter that is not the model's, or ranks hold
+            different state keys (e.g. one rank stepped and another did not).
+    """
+    names = {id(p): n for n, p in named_params.items()}
+    where = _locate(units)
+    osd = optim.state_dict()
+    ordered = [p for group in optim.param_groups for p in group["params"]]
+    for p in ordered:
+        if id(p) not in names:
+            raise ValueError(
+                f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the model's "
+                "parameters; build the optimizer on the FullyShardedDataParallel model's parameters()"
+            )
+    keys = [sorted(osd["state"].get(i, {}).keys()) for i in range(len(ordered))]
+    if comm.group_size(None) > 1 and len({repr(k) for k in comm.all_gather_object(keys, None)}) != 1:
+        raise ValueError(
+            "ranks hold different optimizer state keys; consolidate after the same number of optimizer "
+            "steps on every rank"
+        )
+    state: dict[str, dict[str, Any]] = {}
+    for i, p in enumerate(ordered):
+        entry: dict[str, Any] = {}
+        for key, value in osd["state"].get(i, {}).items():
+            located = where.get(id(p))
+            if located is not None and _is_piece(value, located[1]):
+                entry[key] = _gather_piece(located[0], located[1], value)
+            else:
+                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        if entry:
+            state[names[id(p)]] = entry
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+        for group in optim.param_groups
+    ]
+    if rank0_only and comm.group_rank(None) != 0:
+        return {}
+    return {"state": state, "param_groups": groups}
+
+
+def shard_full_optim_state_dict(
+    full_osd: dict[str, Any], units: list[Unit], named_params: dict[str, nn.Parameter], optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Cut a consolidated optimizer state dict to this rank's pieces, for ``optim.load_state_dict``.
+
+    Local (no communication): every rank passes the full dict.
+
+    Args:
+        full_osd: from :func:`full_optim_state_dict` (any world size or strategy).
+        units: this model's FSDP units.
+        named_params: this model's parameters by original name.
+        optim: the optimizer that will load the result, built on this model's parameters
+            with the same grouping as the one that was consolidated.
+
+    Returns:
+        A state dict in ``torch.optim`` format (integer parameter ids).
+
+    Raises:
+        ValueError: the dict is not a full optimizer state dict, or its groups or names do
+            not match ``optim``.
+    """
+    if not isinstance(full_osd, dict) or "state" not in full_osd or "param_groups" not in full_osd:
+        raise ValueError(
+            "full_osd must be the dict returned by full_optim_state_dict (with 'state' and 'param_groups'); "
+            "on ranks other than 0 with rank0_only=True it is empty, so broadcast or load it on every rank"
+        )
+    names = {id(p): n for n, p in named_params.items()}
+    where = _locate(units)
+    if len(full_osd["param_groups"]) != len(optim.param_groups):
+        raise ValueError(
+            f"full_osd has {len(full_osd['param_groups'])} param groups but optim has {len(optim.param_groups)}; "
+            "build the optimizer with the same grouping as the one that was consolidated"
+        )
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for saved_group, group in zip(full_osd["param_groups"], optim.param_groups):
+        ids = []
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is None or name not in saved_group["params"]:
+                raise ValueError(
+                    f"parameter {name!r} of the optimizer is not in the matching param group of full_osd "
+                    f"({saved_group['params'][:5]}...); build the optimizer over the same parameters"
+                )
+            entry = {}
+            for key, value in full_osd["state"].get(name, {}).items():
+                located = where.get(id(p))
+                if located is not None and isinstance(value, torch.Tensor) and value.shape == located[1].shape \
+                        and value.dim() > 0:
+                    slot = located[1]
+                    value = value.reshape(-1)[slot.piece_begin : slot.piece_begin + slot.piece_numel]
+                entry[key] = value.clone().to(p.device) if isinstance(value, torch.Tensor) else value
+            if entry:
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
