@@ -45,12 +45,38 @@ _FAILURE_GRACE_S = 5.0
 
 
 class RankFailure(RuntimeError):
-    """A rank raised; the message carries the rank and its formatted traceback."""
+    """A rank raised; the message carries the rank and its formatted traceback.
 
-    def __init__(self, rank: int, remote_traceback: str) -> None:
-        super().__init__(f"[rank {rank}] failed:\n{remote_traceback}")
+    Attributes:
+        rank: the rank whose error is reported (the likely cause, see :func:`run_ranks`).
+        remote_traceback: that rank's formatted traceback.
+        also_failed: other ranks that failed too (usually in a collective with the first).
+    """
+
+    def __init__(self, rank: int, remote_traceback: str, also_failed: tuple[int, ...] = ()) -> None:
+        others = f" (ranks {list(also_failed)} also failed)" if also_failed else ""
+        super().__init__(f"[rank {rank}] failed{others}:\n{remote_traceback}")
         self.rank = rank
         self.remote_traceback = remote_traceback
+        self.also_failed = also_failed
+
+
+# A rank whose peer died fails inside its collective with one of these; such a failure is a
+# consequence, and the peer's own error is the one to report.
+_PEER_ERROR_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "DistBackendError",
+    "NCCL communicator was aborted",
+)
+
+
+def _root_cause(failures: list[tuple[int, str]]) -> tuple[int, str]:
+    """The first failure (in arrival order) that is not a peer's collective error."""
+    for rank, tb in failures:
+        if not any(marker in tb for marker in _PEER_ERROR_MARKERS):
+            return rank, tb
+    return failures[0]
 
 
 class RankTimeout(RuntimeError):
@@ -95,10 +121,11 @@ def _rank_main(rank: int, job: _RankJob, results: Any) -> None:
             value = job.fn(rank, job.world_size, *job.args)
         finally:
             dist.destroy_process_group()
-        # Pickle here: a value the queue's feeder thread cannot pickle would otherwise be
-        # dropped silently and the rank would look like it crashed.
-        pickle.dumps(value)
-        results.put((rank, True, value))
+        # Pickle to bytes here, with the standard pickler: a value the queue's feeder thread
+        # cannot pickle would otherwise be dropped silently, and torch's queue reductions
+        # would share tensors through file descriptors that die with this process.
+        payload = pickle.dumps(value)
+        results.put((rank, True, payload))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
 
@@ -143,9 +170,10 @@ def run_ranks(
 
     Raises:
         ValueError: ``world_size`` < 1 or an unknown backend.
-        RankFailure: a rank raised (or exited without a result); the first failure to
-            reach the parent is raised, with that rank's traceback in the message. Peers
-            still blocked in a collective are given a few seconds, then killed.
+        RankFailure: a rank raised (or exited without a result). The first failure to
+            reach the parent that is not a collective broken by a dead peer is reported,
+            with that rank's traceback in the message and the other failed ranks named.
+            Peers still blocked in a collective are given a few seconds, then killed.
         RankTimeout: ranks neither returned nor failed within ``timeout_s`` plus a short
             grace (for the process group's own timeout to fire first); they are named
             and killed.
@@ -200,8 +228,8 @@ def run_ranks(
                 if p.is_alive():
                     p.kill()
                     p.join()
-        # The first failure to arrive is the cause; peers then fail in their collectives.
-        failures = [(r, v) for r, (ok, v) in outcome.items() if not ok]
+        failures = [(r, v) for r, (ok, v) in outcome.items() if not ok]  # arrival order
         if failures:
-            raise RankFailure(*failures[0])
-        return [outcome[r][1] for r in range(world_size)]
+            rank, tb = _root_cause(failures)
+            raise RankFailure(rank, tb, tuple(sorted(r for r, _ in failures if r != rank)))
+        return [pickle.loads(outcome[r][1]) for r in range(world_size)]

@@ -12,19 +12,21 @@ import torch.distributed as dist
 from shardopt.testing import RankFailure, RankTimeout, run_ranks
 
 
-def _identity(rank: int, world_size: int, tag: str) -> tuple[int, int, str, int, float]:
+def _identity(rank: int, world_size: int, tag: str) -> tuple[int, int, str, int, float, torch.Tensor]:
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    return rank, world_size, tag, os.getpid(), t.item()
+    return rank, world_size, tag, os.getpid(), t.item(), torch.full((1000,), float(rank))
 
 
-def test_results_come_back_indexed_by_rank() -> None:
+def test_results_and_tensors_come_back_indexed_by_rank() -> None:
     for world_size in (1, 3):
         out = run_ranks(_identity, world_size, "x", timeout_s=30)
         assert [o[0] for o in out] == list(range(world_size))
         assert all(o[1] == world_size and o[2] == "x" for o in out)
         assert len({o[3] for o in out}) == world_size  # real, separate processes
         assert {o[4] for o in out} == {world_size * (world_size + 1) / 2}  # a real collective ran
+        # Tensors come back by value, readable after the rank processes are gone.
+        assert all(torch.equal(o[5], torch.full((1000,), float(r))) for r, o in enumerate(out))
 
 
 def _rank_one_raises(rank: int, world_size: int) -> None:

@@ -77,6 +77,25 @@ def _state_to_param(state: dict[str, Any], param: torch.Tensor, group: dict[str,
     }
 
 
+def _torch_norm_order(indices: list[int], params: tuple[torch.Tensor, ...]) -> list[int]:
+    """``indices`` in the order ``torch.nn.utils.clip_grad_norm_`` stacks their norms.
+
+    torch groups the gradients by (device, dtype) with a private helper before taking the
+    norms; summing in its order is what makes the sharded total equal torch's bit for bit
+    with mixed dtypes. Without the helper (a future torch), first-seen order is used.
+    """
+    try:
+        from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+    except ImportError:  # pragma: no cover - depends on the torch version
+        keys: dict[tuple[str, torch.dtype], int] = {}
+        for i in indices:
+            keys.setdefault((str(params[i].device), params[i].dtype), len(keys))
+        return sorted(indices, key=lambda i: (keys[(str(params[i].device), params[i].dtype)], i))
+    probes: list[torch.Tensor | None] = [torch.empty(0, dtype=params[i].dtype, device=params[i].device) for i in indices]
+    grouped = _group_tensors_by_device_and_dtype([probes], with_indices=True)
+    return [indices[j] for _, (_, positions) in grouped.items() for j in positions]
+
+
 class OSS(Optimizer):
     """Optimizer State Sharding (ZeRO stage 1) around any ``torch.optim`` optimizer.
 
@@ -370,11 +389,7 @@ class OSS(Optimizer):
             exchange[len(params) + position[p]] = 1
         comm.all_reduce(exchange, self.group, op="sum", label="shardopt::oss::clip_grad_norm").wait()
         counted = [i for i in range(len(params)) if exchange[len(params) + i].item() > 0]
-        # torch groups grads by (device, dtype) in first-seen order before stacking the norms.
-        keys: dict[tuple[str, torch.dtype], int] = {}
-        for i in counted:
-            keys.setdefault((str(params[i].device), params[i].dtype), len(keys))
-        counted.sort(key=lambda i: (keys[(str(params[i].device), params[i].dtype)], i))
+        counted = _torch_norm_order(counted, params)
         if counted:
             total = torch.linalg.vector_norm(exchange[counted], norm_type)
         else:
