@@ -694,7 +694,8 @@ def _auto_wrap(module: nn.Module, prefix: str, policy: AutoWrapPolicy, config: U
     """Wrap, bottom-up, every submodule ``policy`` selects (the root is wrapped by the caller).
 
     Submodules already wrapped by hand are left as they are, so the two ways of nesting
-    combine; ignored modules are not entered.
+    combine; ignored modules are not entered; containers without a forward (``ModuleList``,
+    ``ModuleDict``) are never wrapped themselves, only their children.
     """
     for child_name, child in list(module.named_children()):
         if isinstance(child, FullyShardedDataParallel) or id(child) in ignored:
@@ -702,7 +703,7 @@ def _auto_wrap(module: nn.Module, prefix: str, policy: AutoWrapPolicy, config: U
         qual = f"{prefix}{child_name}"
         _auto_wrap(child, qual + ".", policy, config, regs, ignored)
         unwrapped = sum(p.numel() for p in child.parameters() if owner_of(p) is None)
-        if policy(child, qual, unwrapped):
+        if not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and policy(child, qual, unwrapped):
             # Note [shared parameters]: leave parameters also used outside to an enclosing unit.
             excluded = {pid for pid, users in regs.items()
                         if any(u != qual and not u.startswith(qual + ".") for u in users)}
