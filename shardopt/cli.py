@@ -179,7 +179,7 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
         return {int(os.environ["RANK"]): entry(*args)}
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"shardopt-{os.getpid()}-{time.monotonic_ns()}",

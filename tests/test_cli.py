@@ -1,0 +1,199 @@
+"""The ``shardopt`` command: each subcommand runs and reports the right fields, the estimate
+reproduces the ZeRO paper, demo resumes from its own checkpoint bit for bit, modes agree
+with DDP, bad arguments end in one line and exit code 2, and Ctrl-C stops every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+import shardopt.nn
+from shardopt.cli import main
+from shardopt.models import PRESETS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--model", "tiny", "--batch-size", "2", "--threads-per-rank", "1"]
+
+
+def _json(path: Any) -> dict[str, Any]:
+    with open(path) as f:
+        return dict(json.load(f))
+
+
+def _demo(tmp_path: Any, name: str, *extra: str) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    assert main(["demo", *TINY, "--json", str(out), *extra]) == 0
+    return _json(out)
+
+
+def test_estimate_reproduces_zero_paper_numbers(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--params", "7.5e9", "--world-size", "64", "--json", str(out)]) == 0
+    data = _json(out)
+    got = [round(data[k] / 1e9, 1) for k in ("ddp_bytes", "stage1_bytes", "stage2_bytes", "stage3_bytes")]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+    printed = capsys.readouterr().out
+    for text in ("120.0", "31.4", "16.6", "1.9", "ZeRO-3"):
+        assert text in printed
+
+
+def test_estimate_counts_a_real_model(tmp_path: Any) -> None:
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--model", "27m", "--world-size", "2", "--fp32", "--json", str(out)]) == 0
+    data = _json(out)
+    assert data["num_params"] == PRESETS["27m"].num_params() > 27_000_000
+    assert data["largest_layer_params"] == 528 * 4 * 528
+    assert data["ddp_bytes"] == 16 * data["num_params"]
+    assert main(["estimate", "--model", "tests.common:seeded_mlp", "--world-size", "4", "--json", str(out)]) == 0
+    data = _json(out)
+    assert data["num_params"] == (8 * 16 + 16) + (16 * 32 + 32) + (32 * 4 + 4)
+    assert data["largest_layer_params"] == 16 * 32
+
+
+BAD_ARGUMENTS = [
+    (["demo", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
+    (["bench", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
+    (["estimate", "--params", "10", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
+    (["demo", "--mode", "zero9"], "argument --mode: invalid choice: 'zero9'"),
+    (["bench", "--modes", "ddp,zero9"], "unknown mode 'zero9' in --modes"),
+    (["bench", "--modes", "fairscale"], "mode 'fairscale' needs fairscale, which is not installed; install it"),
+    (["demo", "--mode", "zero3"], "mode 'zero3' needs shardopt.nn.FullyShardedDataParallel"),
+    (["demo", "--resume"], "--resume needs --checkpoint PATH"),
+    (["bench", "--steps", "2"], "--steps 2 leaves nothing to measure after --warmup-steps 2"),
+    (["bench", "--plot", "x.png"], "--plot needs matplotlib"),
+    (["estimate", "--model", "nomodule", "--world-size", "2"], "must be a preset"),
+    (["demo", "--amp", "fp16", "--mode", "fsdp2"], "--amp fp16 is supported with"),
+]
+
+
+def test_bad_arguments_end_in_one_line_and_exit_code_2(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "fairscale", None)  # an import of it now fails: a missing peer
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.delattr(shardopt.nn, "FullyShardedDataParallel", raising=False)
+    for argv, expected in BAD_ARGUMENTS:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2, (argv, err)
+        assert err.count("\n") == 1 and err.startswith(f"shardopt {argv[0]}: error: "), (argv, err)
+        assert expected in err, (argv, err)
+
+
+def test_demo_reports_every_rank_and_resumes_from_its_own_checkpoint(tmp_path: Any) -> None:
+    for mode in ("zero2", "fsdp2"):  # a consolidated file and a sharded (dcp) folder
+        ckpt = str(tmp_path / f"ckpt-{mode}")
+        straight = _demo(tmp_path, f"{mode}-straight", "--mode", mode, "--steps", "6")
+        _demo(tmp_path, f"{mode}-first", "--mode", mode, "--steps", "3", "--checkpoint", ckpt)
+        resumed = _demo(tmp_path, f"{mode}-resumed", "--mode", mode, "--steps", "6", "--checkpoint", ckpt,
+                        "--resume")
+        assert [r["start_step"] for r in resumed["ranks"]] == [3, 3]
+        assert [r["final_loss"] for r in resumed["ranks"]] == [r["final_loss"] for r in straight["ranks"]], mode
+        assert os.path.isdir(ckpt) == (mode == "fsdp2")
+    ranks = straight["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["final_loss"] != ranks[1]["final_loss"]
+    for r in ranks:
+        assert r["heap_after_step"] > 0 and r["heap_peak"] >= r["heap_after_step"]
+        assert r["bytes_per_step"] > 0 and r["median_step_s"] > 0 and r["counted_steps"] == 4
+    assert straight["machine"]["measures"]["heap"].startswith("glibc")
+
+
+def test_sharded_modes_match_ddp_with_accumulation_and_bf16(tmp_path: Any) -> None:
+    losses = {}
+    for mode in ("ddp", "zero1", "zero2"):
+        data = _demo(tmp_path, mode, "--mode", mode, "--steps", "4", "--grad-accum", "2", "--amp", "bf16")
+        losses[mode] = [r["final_loss"] for r in data["ranks"]]
+    assert losses["zero1"] == losses["ddp"] and losses["zero2"] == losses["ddp"], losses
+    scaled = _demo(tmp_path, "fp16", "--mode", "zero2", "--steps", "4", "--amp", "fp16")
+    assert all(0 < r["final_loss"] < 10 for r in scaled["ranks"]), scaled["ranks"]
+
+
+def test_bench_compares_modes_with_ddp_in_json_and_table(tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    modes = "zero1,zero2,torch-zero,fsdp2" + (",fairscale" if _installed("fairscale") else "")
+    assert main(["bench", *TINY, "--steps", "4", "--warmup-steps", "1", "--modes", modes, "--json", str(out)]) == 0
+    data = _json(out)
+    results = {r["mode"]: r for r in data["results"]}
+    assert list(results) == ["ddp", *modes.split(",")]
+    assert results["ddp"]["time_ratio"] == results["ddp"]["heap_ratio"] == results["ddp"]["bytes_ratio"] == 1.0
+    for name, r in results.items():
+        assert len(r["ranks"]) == 2 and r["ranks"][0]["counted_steps"] == 3, name
+        for rank in r["ranks"]:
+            assert rank["heap_after_step"] > 0 and rank["heap_peak"] > 0 and rank["bytes_per_step"] > 0, name
+        assert r["time_ratio"] > 0 and r["heap_ratio"] > 0 and r["bytes_ratio"] > 0, name
+    for name in ("zero1", "zero2", "torch-zero"):  # same arithmetic as DDP at 2 ranks in fp32
+        assert results[name]["max_param_diff"] == 0.0, (name, results[name]["max_param_diff"])
+    assert 0 <= results["fsdp2"]["max_param_diff"] < 1e-5
+    table = capfd.readouterr().out
+    for text in ("heap after step", "sent/step", "median step ms", "max|p - p_ddp|", "zero2", "torch-zero"):
+        assert text in table, text
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.skipif(not _installed("matplotlib"), reason="needs matplotlib")
+def test_bench_plot_writes_a_png(tmp_path: Any) -> None:
+    png = tmp_path / "bench.png"
+    assert main(["bench", *TINY, "--steps", "3", "--warmup-steps", "1", "--modes", "zero2", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _session_processes(sid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_ctrl_c_stops_all_ranks_and_exits_130() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardopt", "demo", *TINY, "--steps", "100000"], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # rank 0 prints this once training starts
+        assert "training tiny with zero2 on 2 ranks" in first, first
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "shardopt demo: interrupted; all ranks were stopped", err
+    deadline = time.monotonic() + 10
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _session_processes(proc.pid) == []
+
+
+def test_demo_runs_unchanged_under_torchrun(tmp_path: Any) -> None:
+    out = tmp_path / "torchrun.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardopt",
+           "demo", *TINY, "--steps", "3", "--warmup-steps", "1", "--mode", "zero1", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "final loss" in done.stdout
+    data = _json(out)
+    assert [r["rank"] for r in data["ranks"]] == [0, 1] and data["ranks"][0]["world_size"] == 2
