@@ -5,5 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e . </dev/null
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/shardopt demo "$@"
