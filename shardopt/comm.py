@@ -2,7 +2,8 @@
 
 Every collective shardopt issues goes through a function here. Each takes the process
 group and the buffers explicitly, uses group-local ranks, and (for the bulk-data ones)
-returns a :class:`PendingWork` record that keeps its buffers alive until waited. Pending
+returns a :class:`PendingWork` record that keeps its buffers alive until waited. Each
+launch is labelled for the profiler with the caller's ``shardopt::<component>::<phase>``. Pending
 records are waited in the order they were issued with a plain loop (:func:`wait_all`).
 
 With a group of one rank nothing is sent: the functions copy where a copy is the result and
@@ -119,7 +120,8 @@ def all_gather_into(
         if output.data_ptr() != input.data_ptr():
             output.copy_(input.view_as(output))
         return PendingWork(label)
-    work = _all_gather_single(output, input, group=group, async_op=True)
+    with torch.profiler.record_function(label):
+        work = _all_gather_single(output, input, group=group, async_op=True)
     return PendingWork(label, work, (output, input))
 
 
@@ -139,9 +141,10 @@ def all_to_all(
     if group_size(group) == 1:
         output.copy_(input)
         return PendingWork(label)
-    work = dist.all_to_all_single(
-        output, input, list(output_splits), list(input_splits), group=group, async_op=True
-    )
+    with torch.profiler.record_function(label):
+        work = dist.all_to_all_single(
+            output, input, list(output_splits), list(input_splits), group=group, async_op=True
+        )
     return PendingWork(label, work, (output, input))
 
 
@@ -152,7 +155,8 @@ def reduce_scatter(
     if group_size(group) == 1:
         output.copy_(input.view_as(output))
         return PendingWork(label)
-    work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    with torch.profiler.record_function(label):
+        work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return PendingWork(label, work, (output, input))
 
 
@@ -168,7 +172,8 @@ def all_reduce(
         raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
     if group_size(group) == 1:
         return PendingWork(label)
-    work = dist.all_reduce(tensor, op=ops[op], group=group, async_op=True)
+    with torch.profiler.record_function(label):
+        work = dist.all_reduce(tensor, op=ops[op], group=group, async_op=True)
     return PendingWork(label, work, (tensor,))
 
 
@@ -176,7 +181,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, label:
     """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
     if group_size(group) == 1:
         return PendingWork(label)
-    work = dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)
+    with torch.profiler.record_function(label):
+        work = dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)
     return PendingWork(label, work, (tensor,))
 
 
