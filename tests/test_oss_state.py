@@ -261,3 +261,40 @@ def test_deprecated_kwargs_warn_once_and_optimizer_defaults_are_visible() -> Non
     assert any("force_broadcast_object=True) is deprecated and ignored" in m for m in messages)
     assert result["betas_before_step"] == (0.9, 0.999)  # the shard optimizer's defaults, pulled back
     assert result["defaults_lr"] == 1e-3
+
+
+def _migration(rank: int, world_size: int) -> dict[str, Any]:
+    model = seeded_mlp()
+    opt = OSS(model.parameters(), optim=Adam, lr=1e-2)
+    _train(model, opt, rank, range(2))
+    before = copy.deepcopy(opt.state_dict(all_ranks=True))
+    owners_before = opt.partition.owners
+    biggest = max(range(len(opt.params)), key=lambda i: opt.params[i].numel())
+    opt.params[biggest].requires_grad_(False)
+    opt.params[biggest].grad = None
+    opt.refresh_trainable()
+    frozen = copy.deepcopy(opt.state_dict(all_ranks=True))
+    owners_frozen = opt.partition.owners
+    opt.params[biggest].requires_grad_(True)
+    opt.refresh_trainable()
+    thawed = copy.deepcopy(opt.state_dict(all_ranks=True))
+    extra = nn.Linear(4, 3)
+    opt.add_param_group({"params": list(extra.parameters()), "lr": 1e-3})
+    added = copy.deepcopy(opt.state_dict(all_ranks=True))
+    return {
+        "moved": sum(a != b for a, b in zip(owners_before, owners_frozen)),
+        "frozen_same": _same_state(before, frozen),
+        "thawed_same": _same_state(before, thawed),
+        "added_keeps_old": all(_same_state({"state": {i: s}, "param_groups": []},
+                                           {"state": {i: added["state"][i]}, "param_groups": []})
+                               for i, s in before["state"].items()),
+        "added_groups": len(added["param_groups"]),
+    }
+
+
+def test_state_follows_parameters_when_ownership_moves() -> None:
+    for world_size in (2, 3):
+        for r in run_ranks(_migration, world_size, timeout_s=60):
+            assert r["moved"] > 0, "the test must move at least one parameter to another rank"
+            assert r["frozen_same"] and r["thawed_same"] and r["added_keeps_old"], r
+            assert r["added_groups"] == 2

@@ -74,3 +74,40 @@ def test_bad_arguments_name_the_problem() -> None:
         partition_by_size([1], 2).indices_of(5)
     with pytest.raises(ValueError, match="owners must be in"):
         Partition(num_ranks=2, sizes=(1,), owners=(3,))
+
+
+def _gpt_param_bytes(vocab: int, dim: int, layers: int, context: int) -> list[int]:
+    """Bytes of each fp32 parameter of a GPT-2-style model, in module order (built on meta)."""
+    import torch
+    from torch import nn
+
+    def block() -> nn.Module:
+        return nn.ModuleList([
+            nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim),
+            nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim),
+        ])
+
+    with torch.device("meta"):
+        model = nn.ModuleList([
+            nn.Embedding(vocab, dim), nn.Embedding(context, dim), *[block() for _ in range(layers)],
+            nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False),
+        ])
+    return [p.numel() * p.element_size() for p in model.parameters()]
+
+
+def test_gpt_style_model_partition_imbalance_is_reported_and_within_lpt_bound() -> None:
+    models = {"gpt2-small (124M+head)": (50304, 768, 12, 1024), "gpt-mini (d256 x 8)": (8192, 256, 8, 512)}
+    for name, shape in models.items():
+        sizes = _gpt_param_bytes(*shape)
+        print(f"\npartition of {name}: {len(sizes)} params, {sum(sizes) / 2**20:.1f} MiB, "
+              f"largest {max(sizes) / 2**20:.1f} MiB")
+        for num_ranks in range(2, 9):
+            plan = partition_by_size(sizes, num_ranks)
+            mean = sum(sizes) / num_ranks
+            # No plan can beat max(mean, largest parameter); LPT is within 4/3 of the optimum.
+            lower = max(mean, max(sizes))
+            print(f"  {num_ranks} ranks: imbalance (max/mean) {plan.imbalance:.4f}, "
+                  f"max/lower bound {max(plan.rank_bytes) / lower:.4f}")
+            assert max(plan.rank_bytes) <= (4 / 3 - 1 / (3 * num_ranks)) * lower
+            if max(sizes) <= mean / 2:
+                assert plan.imbalance < 1.05  # many small blocks: near-perfect balance

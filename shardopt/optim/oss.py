@@ -143,9 +143,10 @@ class OSS(Optimizer):
         **defaults: Any,
     ) -> None:
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
+            got = f"an instance of {type(optim).__name__}" if isinstance(optim, Optimizer) else repr(optim)
             raise TypeError(
-                f"optim must be a torch.optim.Optimizer subclass such as torch.optim.Adam, got "
-                f"{optim!r}; pass the class and its arguments: OSS(params, optim=torch.optim.Adam, lr=1e-3)"
+                f"optim must be a torch.optim.Optimizer subclass such as torch.optim.Adam, got {got}; "
+                "pass the class and its arguments: OSS(params, optim=torch.optim.Adam, lr=1e-3)"
             )
         comm.require_initialized("OSS")
         if broadcast_buffer_size != -1:
