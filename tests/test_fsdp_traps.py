@@ -1,0 +1,243 @@
+"""The correctness traps of issue 5, each against DDP (or DDP's arithmetic done by hand).
+
+Every comparison here is at two ranks in fp32, where FSDP must be bit-identical to DDP
+(Note [average like DDP] in shardopt.nn.fsdp.unit) unless the test says why not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardopt import comm
+from shardopt.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP
+from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
+from shardopt.testing import run_ranks
+from tests.common import max_abs_diff
+from tests.fsdp_models import Block, gpt, lm_loss, tokens
+
+BLOCKS = ModuleClassPolicy((Block,))
+SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, toks: torch.Tensor, set_to_none: bool = True) -> float:
+    opt.zero_grad(set_to_none=set_to_none)
+    loss = lm_loss(model(toks), toks)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _all_sharded(model: nn.Module) -> bool:
+    """Every parameter is a 1-D shard piece (no unit left gathered)."""
+    return all(p.dim() == 1 for p in model.parameters())
+
+
+def _eval_after_training(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for strategy in SHARDED:
+        for bwd in (BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST):
+            for limit in (True, False):
+                ref = DDP(gpt())
+                model = FSDP(gpt(), sharding_strategy=strategy, auto_wrap_policy=BLOCKS, forward_prefetch=True,
+                             backward_prefetch=bwd, limit_all_gathers=limit)
+                opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
+                diffs = []
+                for step in range(2):
+                    toks = tokens(rank, step)
+                    diffs.append(abs(_step(ref, opt_ref, toks) - _step(model, opt, toks)))
+                for step in range(2, 4):  # two evaluations in a row, each then checked for stale units
+                    toks = tokens(rank, step)
+                    with torch.no_grad():
+                        diffs.append(max_abs_diff([ref(toks)], [model(toks)]))
+                    assert _all_sharded(model), f"{strategy} left a unit gathered after a no-grad forward"
+                for step in range(4, 6):
+                    toks = tokens(rank, step)
+                    diffs.append(abs(_step(ref, opt_ref, toks) - _step(model, opt, toks)))
+                diffs.append(max_abs_diff(model.state_dict().values(), ref.module.state_dict().values()))
+                out[f"{strategy.name}/{bwd.name}/limit={limit}"] = max(diffs)
+    return out
+
+
+def test_eval_after_training_with_prefetch_runs_on_full_shapes_and_matches_ddp() -> None:
+    for diffs in run_ranks(_eval_after_training, 2):
+        assert max(diffs.values()) == 0.0, diffs
+
+
+def _freeze(model: nn.Module) -> None:
+    """Mixed frozen/trainable parameters in block 0, an all-frozen block 1."""
+    core = model.module if isinstance(model, (DDP, FSDP)) else model
+    core.blocks[0].ln1.requires_grad_(False)
+    core.blocks[0].qkv.bias.requires_grad_(False)
+    core.blocks[1].requires_grad_(False)
+
+
+def _frozen(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for strategy in SHARDED + (ShardingStrategy.NO_SHARD,):
+        plain, sharded = gpt(), gpt()
+        _freeze(plain)
+        _freeze(sharded)
+        ref, model = DDP(plain), FSDP(sharded, sharding_strategy=strategy, auto_wrap_policy=BLOCKS)
+        opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # frozen pieces get no grad: skipped
+        before = {n: t.clone() for n, t in model.state_dict().items()}
+        for step in range(4):
+            _step(ref, opt_ref, tokens(rank, step), set_to_none=step % 2 == 0)
+            _step(model, opt, tokens(rank, step), set_to_none=step % 2 == 0)
+        after = model.state_dict()
+        assert torch.equal(after["blocks.1.qkv.weight"], before["blocks.1.qkv.weight"])
+        assert torch.equal(after["blocks.0.ln1.weight"], before["blocks.0.ln1.weight"])
+        assert not torch.equal(after["blocks.0.qkv.weight"], before["blocks.0.qkv.weight"])
+        out[strategy.name] = max_abs_diff(after.values(), plain.state_dict().values())
+    return out
+
+
+def test_frozen_and_trainable_params_in_one_unit_and_an_all_frozen_unit_match_ddp() -> None:
+    for diffs in run_ranks(_frozen, 2):
+        assert max(diffs.values()) == 0.0, diffs
+
+
+class _DDPByHand:
+    """DDP's gradient arithmetic without DDP: g * (1/N), then a sum over ranks."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def sync(self) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(1.0 / comm.group_size(None))
+                comm.all_reduce(p.grad, None).wait()
+
+
+def _freeze_mid_training(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for strategy in SHARDED:
+        plain = gpt()
+        ref = _DDPByHand(plain)
+        model = FSDP(gpt(), sharding_strategy=strategy, auto_wrap_policy=BLOCKS)
+        opt_ref, opt = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(5):
+            if step == 2:  # freeze a block in the middle of training, unfreeze it later
+                plain.blocks[1].requires_grad_(False)
+                model.module.blocks[1].requires_grad_(False)
+            if step == 4:
+                plain.blocks[1].requires_grad_(True)
+                model.module.blocks[1].requires_grad_(True)
+            toks = tokens(rank, step)
+            opt_ref.zero_grad()
+            lm_loss(plain(toks), toks).backward()
+            ref.sync()
+            opt_ref.step()
+            _step(model, opt, toks)
+        out[strategy.name] = max_abs_diff(model.state_dict().values(), plain.state_dict().values())
+    return out
+
+
+def test_freezing_a_block_mid_training_matches_ddp_arithmetic() -> None:
+    for diffs in run_ranks(_freeze_mid_training, 2):
+        assert max(diffs.values()) == 0.0, diffs
+
+
+def _accumulation(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for strategy in SHARDED + (ShardingStrategy.NO_SHARD,):
+        for use_no_sync in (True, False):
+            ref, model = DDP(gpt()), FSDP(gpt(), sharding_strategy=strategy, auto_wrap_policy=BLOCKS)
+            opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                for m, o in ((ref, opt_ref), (model, opt)):
+                    o.zero_grad(set_to_none=step % 2 == 0)
+                    for micro in range(3):
+                        toks = tokens(rank, 10 * step + micro)
+                        if use_no_sync and micro < 2:
+                            with m.no_sync():
+                                lm_loss(m(toks), toks).backward()
+                        else:
+                            lm_loss(m(toks), toks).backward()
+                    o.step()
+            plain = ref.module.state_dict()
+            scale = max(v.abs().max().item() for v in plain.values())
+            out[f"{strategy.name}/no_sync={use_no_sync}"] = (
+                max_abs_diff(model.state_dict().values(), plain.values()) / scale
+            )
+    return out
+
+
+def test_grad_accumulation_matches_ddp_bitwise_with_no_sync_and_within_1e6_without() -> None:
+    # Without no_sync DDP reduces (avg1 + local g2) * 1/N while sharded gradients can only
+    # add avg1 + avg2 (the shard of avg1 is all a rank has): same value, other rounding.
+    for diffs in run_ranks(_accumulation, 2):
+        assert max(v for k, v in diffs.items() if k.endswith("no_sync=True")) == 0.0, diffs
+        assert max(diffs.values()) <= 1e-6, diffs
+
+
+class _Twice(nn.Module):
+    """One block applied twice in a forward, and a parameterless unit in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(37, 12)
+        self.block = Block(12)
+        self.act = nn.Tanh()
+        self.head = nn.Linear(12, 37)
+
+    def forward(self, toks: torch.Tensor) -> torch.Tensor:
+        x = self.embed(toks)
+        x = self.block(self.act(self.block(x)))
+        return self.head(x)
+
+
+def _twice(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for strategy in SHARDED + (ShardingStrategy.NO_SHARD,):
+        ref = DDP(_Twice())
+        model = FSDP(_Twice(), sharding_strategy=strategy, auto_wrap_policy=ModuleClassPolicy((Block, nn.Tanh)))
+        opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(4):
+            _step(ref, opt_ref, tokens(rank, step), set_to_none=step % 2 == 0)
+            _step(model, opt, tokens(rank, step), set_to_none=step % 2 == 0)
+        out[strategy.name] = max_abs_diff(model.state_dict().values(), ref.module.state_dict().values())
+    return out
+
+
+def test_module_used_twice_in_one_forward_and_a_unit_without_params_match_ddp() -> None:
+    for diffs in run_ranks(_twice, 2):
+        assert max(diffs.values()) == 0.0, diffs
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        y = self.a(x)
+        return y + self.b(x) if use_b else y
+
+
+def _unused(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for strategy in SHARDED + (ShardingStrategy.NO_SHARD,):
+        ref = DDP(_Branchy(), find_unused_parameters=True)
+        model = FSDP(_Branchy(), sharding_strategy=strategy)
+        opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            for m, o in ((ref, opt_ref), (model, opt)):
+                o.zero_grad()
+                m(x, use_b=rank == 1).pow(2).mean().backward()  # b unused on rank 0, `never` everywhere
+                o.step()
+        out[strategy.name] = max_abs_diff(model.state_dict().values(), ref.module.state_dict().values())
+    return out
+
+
+def test_parameter_unused_on_one_rank_does_not_hang_and_matches_ddp() -> None:
+    for diffs in run_ranks(_unused, 2, timeout_s=60):
+        assert max(diffs.values()) == 0.0, diffs
