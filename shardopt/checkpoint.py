@@ -101,9 +101,11 @@ def save_consolidated(
 
     Args:
         path: the file to write (its folder is created).
-        module: the model *without* its data-parallel wrapper (e.g. ``ddp.module``); its
+        module: the model *without* its data-parallel wrapper (e.g. ``ddp.module``), or a
+            ZeRO-3 ``FullyShardedDataParallel`` (whose ``state_dict`` is full); its
             ``state_dict`` must be full on rank 0.
-        optimizer: an :class:`OSS` (consolidated onto rank 0 here, a collective) or a plain
+        optimizer: an :class:`OSS` (consolidated onto rank 0 here, a collective), an
+            optimizer over a ZeRO-3 wrapper's shards (gathered through the wrapper), a plain
             ``torch.optim`` optimizer whose state is the same on every rank; or ``None``.
         extra: small picklable values saved alongside (step, scaler state, config).
 
@@ -112,16 +114,20 @@ def save_consolidated(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module (the unwrapped model), got {type(module).__name__}")
+    model_state = module.state_dict()  # on every rank: a collective for a ZeRO-3 wrapper
+    gather_optim = _full_optim_state_fn(module)
     optim_state: dict[str, Any] | None = None
     if isinstance(optimizer, OSS):
         optimizer.consolidate_state_dict(recipient_rank=0)
         if _rank() == 0:
             optim_state = optimizer.state_dict()
+    elif optimizer is not None and gather_optim is not None:
+        optim_state = gather_optim(module, optimizer)
     elif optimizer is not None:
         optim_state = optimizer.state_dict()
     if _rank() == 0:
         _atomic_torch_save(
-            {"format": CONSOLIDATED_FORMAT, "model": module.state_dict(), "optimizer": optim_state,
+            {"format": CONSOLIDATED_FORMAT, "model": model_state, "optimizer": optim_state,
              "extra": dict(extra or {})},
             path,
         )
@@ -157,8 +163,19 @@ def load_consolidated(
                          f"{CONSOLIDATED_FORMAT!r}); was it written by save_sharded? use load_sharded")
     module.load_state_dict(blob["model"])
     if optimizer is not None and blob["optimizer"] is not None:
-        optimizer.load_state_dict(blob["optimizer"])
+        shard = getattr(type(module), "shard_full_optim_state_dict", None)
+        optimizer.load_state_dict(shard(blob["optimizer"], module, optimizer) if shard is not None
+                                  else blob["optimizer"])
     return dict(blob["extra"])
+
+
+def _full_optim_state_fn(module: nn.Module) -> Any:
+    """The wrapper's ``full_optim_state_dict(model, optim)`` when it shards parameters (ZeRO-3), else ``None``.
+
+    (A ZeRO-3 wrapper's optimizer holds pieces of flat shards, so only the wrapper knows how
+    to gather them into full-shaped state keyed by parameter name.)
+    """
+    return getattr(type(module), "full_optim_state_dict", None)
 
 
 def _groups_hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -198,6 +215,10 @@ def save_sharded(
         optimizer: an :class:`OSS`, any other ``torch.optim`` optimizer, or ``None``.
         extra: small picklable values saved alongside.
     """
+    if _full_optim_state_fn(model) is not None:
+        raise TypeError(f"save_sharded does not support {type(model).__name__} (flat-shard ZeRO-3) yet: its "
+                        "shards are not DTensors, so dcp cannot place them; use save_consolidated(path, model, "
+                        "optimizer), which gathers full state through the wrapper")
     path = os.path.abspath(path)
     staging = path + ".tmp"
     if _rank() == 0 and os.path.exists(staging):

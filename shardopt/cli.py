@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--grad-accum", type=_positive_int, default=1,
                       help="micro-batches per step; all but the last run under no_sync (default 1)")
     demo.add_argument("--checkpoint", metavar="PATH", default=None,
-                      help="save here at the end (a file; a folder for zero3/fsdp2)")
+                      help="save here at the end (one file; a torch.distributed.checkpoint folder for fsdp2 modes)")
     demo.add_argument("--save-every", type=_non_negative_int, default=0, help="also save every N steps")
     demo.add_argument("--resume", action="store_true", help="continue from --checkpoint when it exists")
 

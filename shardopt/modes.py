@@ -42,7 +42,11 @@ class Wrapped:
         no_sync: a context manager factory that skips gradient reduction (accumulation).
         zero_grad: clears gradients the way this mode must.
         sharded_params: whether ``module``'s parameters are shards (ZeRO-3 / FSDP2), so
-            full values need :func:`full_parameters` and checkpoints must be sharded.
+            full values need :func:`full_parameters`.
+        checkpoint_target: the object whose state a checkpoint saves: the unwrapped module
+            when its parameters are full, else the sharding wrapper.
+        sharded_checkpoint: save with ``torch.distributed.checkpoint`` (DTensor models)
+            instead of one consolidated file.
     """
 
     model: nn.Module
@@ -51,6 +55,12 @@ class Wrapped:
     no_sync: Callable[[], ContextManager[Any]]
     zero_grad: Callable[[], None]
     sharded_params: bool = False
+    checkpoint_target: nn.Module | None = None
+    sharded_checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_target is None:
+            self.checkpoint_target = self.module
 
 
 Builder = Callable[[nn.Module, float, Any], Wrapped]
@@ -115,12 +125,14 @@ def _build_zero2(module: nn.Module, lr: float, device: Any) -> Wrapped:
 
 
 def _build_zero3(module: nn.Module, lr: float, device: Any) -> Wrapped:
-    import shardopt.nn as snn
+    from shardopt.nn.fsdp import FullyShardedDataParallel, ModuleClassPolicy
 
-    model = snn.FullyShardedDataParallel(module)  # type: ignore[attr-defined]
+    blocks = getattr(module, "blocks", None)  # one unit per transformer block of the built-in GPT
+    policy = ModuleClassPolicy((type(blocks[0]),)) if isinstance(blocks, nn.ModuleList) and len(blocks) else None
+    model = FullyShardedDataParallel(module, auto_wrap_policy=policy)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    no_sync = getattr(model, "no_sync", _plain_no_sync)
-    return Wrapped(model, module, opt, no_sync, lambda: opt.zero_grad(set_to_none=True), sharded_params=True)
+    return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True), sharded_params=True,
+                   checkpoint_target=model)
 
 
 def _build_torch_zero(module: nn.Module, lr: float, device: Any) -> Wrapped:
@@ -154,7 +166,7 @@ def _fsdp2_builder(reshard_after_forward: bool) -> Builder:
         fully_shard(module, reshard_after_forward=reshard_after_forward)
         opt = torch.optim.Adam(module.parameters(), lr=lr)
         return Wrapped(module, module, opt, _plain_no_sync, lambda: opt.zero_grad(set_to_none=True),
-                       sharded_params=True)
+                       sharded_params=True, sharded_checkpoint=True)
 
     return build
 
@@ -167,7 +179,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("zero1", "DDP + shardopt OSS (ZeRO-1)", None, "", _build_zero1),
     Mode("zero2", "shardopt OSS + ShardedDataParallel (ZeRO-2)", ("shardopt.nn", "ShardedDataParallel"),
          _OWN_HINT, _build_zero2),
-    Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn", "FullyShardedDataParallel"),
+    Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn.fsdp", "FullyShardedDataParallel"),
          _OWN_HINT, _build_zero3),
     Mode("torch-zero", "DDP + torch ZeroRedundancyOptimizer", ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
          "it ships with torch.distributed", _build_torch_zero, peer=True),
@@ -206,12 +218,12 @@ def full_parameters(wrapped: Wrapped) -> dict[str, torch.Tensor]:
     """
     if not wrapped.sharded_params:
         return {n: p.detach().cpu().clone() for n, p in wrapped.module.named_parameters()}
-    summon = getattr(wrapped.model, "summon_full_params", None)
-    if summon is not None:
-        with summon():
-            return {n: p.detach().cpu().clone() for n, p in wrapped.module.named_parameters()}
+    if wrapped.checkpoint_target is not wrapped.module:  # a wrapper whose state_dict() is full (ZeRO-3)
+        assert wrapped.checkpoint_target is not None
+        state = wrapped.checkpoint_target.state_dict()
+        return {n: state[n].detach().cpu().clone() for n, _ in wrapped.checkpoint_target.named_parameters()}
     out = {}
     for name, param in wrapped.module.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param  # DTensor (FSDP2)
         out[name] = full.detach().cpu().clone()
     return out

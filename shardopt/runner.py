@@ -178,20 +178,22 @@ def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> Non
     assert job.checkpoint_path is not None
     extra = {"step": step, "mode": job.mode, "preset": job.preset, "seed": job.seed,
              "scaler": scaler.state_dict() if scaler is not None else None}
-    if wrapped.sharded_params:
-        checkpoint.save_sharded(job.checkpoint_path, wrapped.model, wrapped.optimizer, extra)
+    assert wrapped.checkpoint_target is not None
+    if wrapped.sharded_checkpoint:
+        checkpoint.save_sharded(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
     else:
-        checkpoint.save_consolidated(job.checkpoint_path, wrapped.module, wrapped.optimizer, extra)
+        checkpoint.save_consolidated(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
 
 
 def _resume(job: TrainJob, wrapped: Wrapped, scaler: Any | None) -> int:
     path = job.checkpoint_path
     if not job.resume or path is None or not os.path.exists(path):
         return 0
-    if wrapped.sharded_params:
-        extra = checkpoint.load_sharded(path, wrapped.model, wrapped.optimizer)
+    assert wrapped.checkpoint_target is not None
+    if wrapped.sharded_checkpoint:
+        extra = checkpoint.load_sharded(path, wrapped.checkpoint_target, wrapped.optimizer)
     else:
-        extra = checkpoint.load_consolidated(path, wrapped.module, wrapped.optimizer)
+        extra = checkpoint.load_consolidated(path, wrapped.checkpoint_target, wrapped.optimizer)
     if extra.get("preset") != job.preset or extra.get("seed") != job.seed:
         raise ValueError(f"checkpoint {path!r} was saved for model {extra.get('preset')!r} with seed "
                          f"{extra.get('seed')!r}, not {job.preset!r}/{job.seed}; resume with the same "

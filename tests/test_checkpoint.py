@@ -176,3 +176,20 @@ def test_load_errors_name_the_path_and_the_fix(tmp_path: Any) -> None:
         checkpoint.load_consolidated(str(tmp_path / "other.pt"), module)
     with pytest.raises(TypeError, match="must be an nn.Module"):
         checkpoint.save_consolidated(str(tmp_path / "x.pt"), "model", None)  # type: ignore[arg-type]
+
+
+def _zero3_sharded_refused(rank: int, world_size: int, path: str) -> str:
+    from shardopt.nn.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(seeded_mlp())
+    try:
+        checkpoint.save_sharded(path, model, torch.optim.Adam(model.parameters()))
+    except TypeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_save_sharded_refuses_flat_shard_zero3_and_points_to_consolidated(tmp_path: Any) -> None:
+    messages = run_ranks(_zero3_sharded_refused, 2, str(tmp_path / "z3"), timeout_s=60)
+    assert all("use save_consolidated" in m for m in messages), messages
+    assert not os.path.exists(tmp_path / "z3") and not os.path.exists(tmp_path / "z3.tmp")

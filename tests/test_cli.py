@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import shardopt.nn
+import shardopt.nn.fsdp
 from shardopt.cli import main
 from shardopt.models import PRESETS
 
@@ -64,7 +64,7 @@ BAD_ARGUMENTS = [
     (["demo", "--mode", "zero9"], "argument --mode: invalid choice: 'zero9'"),
     (["bench", "--modes", "ddp,zero9"], "unknown mode 'zero9' in --modes"),
     (["bench", "--modes", "fairscale"], "mode 'fairscale' needs fairscale, which is not installed; install it"),
-    (["demo", "--mode", "zero3"], "mode 'zero3' needs shardopt.nn.FullyShardedDataParallel"),
+    (["demo", "--mode", "zero3"], "mode 'zero3' needs shardopt.nn.fsdp.FullyShardedDataParallel"),
     (["demo", "--resume"], "--resume needs --checkpoint PATH"),
     (["bench", "--steps", "2"], "--steps 2 leaves nothing to measure after --warmup-steps 2"),
     (["bench", "--plot", "x.png"], "--plot needs matplotlib"),
@@ -77,7 +77,7 @@ def test_bad_arguments_end_in_one_line_and_exit_code_2(monkeypatch: pytest.Monke
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "fairscale", None)  # an import of it now fails: a missing peer
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.delattr(shardopt.nn, "FullyShardedDataParallel", raising=False)
+    monkeypatch.delattr(shardopt.nn.fsdp, "FullyShardedDataParallel")  # a shardopt build without ZeRO-3
     for argv, expected in BAD_ARGUMENTS:
         with pytest.raises(SystemExit) as exc:
             main(argv)
@@ -88,7 +88,8 @@ def test_bad_arguments_end_in_one_line_and_exit_code_2(monkeypatch: pytest.Monke
 
 
 def test_demo_reports_every_rank_and_resumes_from_its_own_checkpoint(tmp_path: Any) -> None:
-    for mode in ("zero2", "fsdp2"):  # a consolidated file and a sharded (dcp) folder
+    # a consolidated file (zero2; zero3 gathered through its wrapper) and a sharded dcp folder (fsdp2)
+    for mode in ("zero2", "zero3", "fsdp2"):
         ckpt = str(tmp_path / f"ckpt-{mode}")
         straight = _demo(tmp_path, f"{mode}-straight", "--mode", mode, "--steps", "6")
         _demo(tmp_path, f"{mode}-first", "--mode", mode, "--steps", "3", "--checkpoint", ckpt)
@@ -117,7 +118,7 @@ def test_sharded_modes_match_ddp_with_accumulation_and_bf16(tmp_path: Any) -> No
 
 def test_bench_compares_modes_with_ddp_in_json_and_table(tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    modes = "zero1,zero2,torch-zero,fsdp2" + (",fairscale" if _installed("fairscale") else "")
+    modes = "zero1,zero2,zero3,torch-zero,fsdp2" + (",fairscale" if _installed("fairscale") else "")
     assert main(["bench", *TINY, "--steps", "4", "--warmup-steps", "1", "--modes", modes, "--json", str(out)]) == 0
     data = _json(out)
     results = {r["mode"]: r for r in data["results"]}
@@ -128,7 +129,7 @@ def test_bench_compares_modes_with_ddp_in_json_and_table(tmp_path: Any, capfd: p
         for rank in r["ranks"]:
             assert rank["heap_after_step"] > 0 and rank["heap_peak"] > 0 and rank["bytes_per_step"] > 0, name
         assert r["time_ratio"] > 0 and r["heap_ratio"] > 0 and r["bytes_ratio"] > 0, name
-    for name in ("zero1", "zero2", "torch-zero"):  # same arithmetic as DDP at 2 ranks in fp32
+    for name in ("zero1", "zero2", "zero3", "torch-zero"):  # same arithmetic as DDP at 2 ranks in fp32
         assert results[name]["max_param_diff"] == 0.0, (name, results[name]["max_param_diff"])
     assert 0 <= results["fsdp2"]["max_param_diff"] < 1e-5
     table = capfd.readouterr().out
