@@ -47,6 +47,25 @@ class _Stream:
     longest: int
 
 
+@dataclass
+class _InFlightChunk:
+    """One chunk's all-gather in flight and where its pieces go once it lands.
+
+    Attributes:
+        pending: the collective's record (keeps ``recv`` alive until waited).
+        stream: the (device, dtype) stream the chunk belongs to.
+        begin: offset of the chunk in every rank's stream.
+        length: elements each rank contributed.
+        recv: the gathered chunk, ``num_ranks * length`` elements in rank order.
+    """
+
+    pending: comm.PendingWork
+    stream: _Stream
+    begin: int
+    length: int
+    recv: torch.Tensor
+
+
 class ParamGather:
     """Brings every rank's updated parameters to all ranks (see Note [gather by rank streams]).
 
@@ -97,10 +116,14 @@ class ParamGather:
         return torch.float16 if self._fp16 and dtype == torch.float32 else dtype
 
     def gather(self) -> None:
-        """Run the gather; on return every rank holds every owner's current values."""
+        """Run the gather; on return every rank holds every owner's current values.
+
+        Call on every rank of the group. Chunks are issued in stream order, at most two in
+        flight, and waited in the order they were issued. A group of one returns at once.
+        """
         if self._num_ranks == 1:
             return
-        in_flight: deque[tuple[comm.PendingWork, _Stream, int, int, torch.Tensor]] = deque()
+        in_flight: deque[_InFlightChunk] = deque()
         for stream in self._streams:
             wire = self._wire_dtype(stream.dtype)
             chunk = max(1, self._bucket_bytes // torch.empty((), dtype=wire).element_size())
@@ -111,17 +134,19 @@ class ParamGather:
                 mine = recv[self._rank * length : (self._rank + 1) * length]
                 self._pack(stream, self._rank, begin, mine)
                 pending = comm.all_gather_into(recv, mine, self._group, label="shardopt::oss::param_gather")
-                in_flight.append((pending, stream, begin, length, recv))
+                in_flight.append(_InFlightChunk(pending, stream, begin, length, recv))
                 if len(in_flight) >= _MAX_CHUNKS_IN_FLIGHT:
-                    self._finish(*in_flight.popleft())
+                    self._finish(in_flight.popleft())
         while in_flight:
-            self._finish(*in_flight.popleft())
+            self._finish(in_flight.popleft())
 
-    def _finish(self, pending: comm.PendingWork, stream: _Stream, begin: int, length: int, recv: torch.Tensor) -> None:
-        pending.wait()
+    def _finish(self, chunk: _InFlightChunk) -> None:
+        """Wait for ``chunk`` and copy the other ranks' pieces into their parameters."""
+        chunk.pending.wait()
+        n = chunk.length
         for rank in range(self._num_ranks):
             if rank != self._rank:
-                self._unpack(stream, rank, begin, recv[rank * length : (rank + 1) * length])
+                self._unpack(chunk.stream, rank, chunk.begin, chunk.recv[rank * n : (rank + 1) * n])
 
     @staticmethod
     def _overlaps(stream: _Stream, rank: int, begin: int, length: int) -> list[tuple[torch.Tensor, int, int, int]]:

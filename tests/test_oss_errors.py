@@ -52,6 +52,7 @@ def _mismatches(rank: int, world_size: int) -> dict[str, str]:
     out["dtype"] = _capture(lambda: OSS([p.detach().double().requires_grad_() if odd else p for p in params], optim=SGD, lr=0.1))
     opt = OSS(params[:2], optim=SGD, lr=0.1)
     out["add_param_group"] = _capture(lambda: opt.add_param_group({"params": params[2:3] if odd else params[3:4]}))
+    out["groups_after_failed_add"] = str(len(opt.param_groups))  # rolled back
     opt = OSS(params, optim=SGD, lr=0.1)
     params[0].requires_grad_(not odd)  # frozen on one rank only
     out["refresh_trainable"] = _capture(opt.refresh_trainable)
@@ -82,6 +83,7 @@ def test_parameter_lists_that_differ_across_ranks_are_named_at_construction() ->
         assert re.search(rf"parameter 2 is .*=\(1, \(32,\), .* on rank 0 but \(1, \(32, 16\), .* on rank {last}",
                          msg["add_param_group"]), msg["add_param_group"]
         assert re.search(r"parameter 0 .* True, True\) on rank 0 but .* False, True\) on rank", msg["refresh_trainable"])
+        assert msg["groups_after_failed_add"] == "1"
         assert "contiguous" in msg["contiguous_one_rank"]
         assert msg["contiguous_all_ranks"].startswith("OSS needs contiguous parameters; parameter 0 (shape (4, 6)")
         assert "param.data = param.data.contiguous()" in msg["contiguous_all_ranks"]

@@ -225,7 +225,11 @@ class OSS(Optimizer):
         super().add_param_group(param_group)
         if self._building:
             return
-        self._check_same_params_on_all_ranks()
+        try:
+            self._check_same_params_on_all_ranks()
+        except ValueError:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
         self._repartition(migrate=True)
 
     def _repartition(self, migrate: bool) -> None:
@@ -389,7 +393,7 @@ class OSS(Optimizer):
             exchange[position[p]] = torch.linalg.vector_norm(grad, norm_type).to(device)
             exchange[len(params) + position[p]] = 1
         comm.all_reduce(exchange, self.group, op="sum", label="shardopt::oss::clip_grad_norm").wait()
-        counted = [i for i in range(len(params)) if exchange[len(params) + i].item() > 0]
+        counted = (exchange[len(params):] > 0).nonzero().flatten().tolist()  # one device sync, not one per param
         counted = _torch_norm_order(counted, params)
         if counted:
             total = torch.linalg.vector_norm(exchange[counted], norm_type)
