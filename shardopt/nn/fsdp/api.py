@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from shardopt import comm
-from shardopt.nn.fsdp import optim_state
+from shardopt.nn.fsdp import grad_norm, optim_state, sharded_state
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
 from shardopt.nn.fsdp.state import (
     BackwardPrefetch,
@@ -634,39 +634,36 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: called on a nested unit, or ``max_norm``/``norm_type`` not positive.
         """
         self._require_root("clip_grad_norm_()")
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        if not max_norm > 0 or not norm_type > 0:
-            raise ValueError(
-                f"clip_grad_norm_ needs max_norm > 0 and norm_type > 0, got max_norm={max_norm}, norm_type={norm_type}"
-            )
-        sharded: list[torch.Tensor] = []
-        for m in self._units():
-            if m._unit.handle is not None:
-                sharded += [p.grad for p in m._unit.handle.params if p.grad is not None]
-        others = [p.grad for p in self.parameters() if p.grad is not None and owner_of(p) is None]
-        inf = norm_type == float("inf")
-        device = sharded[0].device if sharded else torch.device("cpu")
+        sharded = [p for m in self._units() if m._unit.handle is not None for p in m._unit.handle.params]
+        others = [p for p in self.parameters() if owner_of(p) is None]
+        return grad_norm.clip_grad_norm(sharded, others, self._config, max_norm, norm_type)
 
-        def local(grads: list[torch.Tensor]) -> torch.Tensor:
-            if not grads:
-                return torch.zeros((), dtype=torch.float32, device=device)
-            norms = [g.detach().float().abs().max() if inf else g.detach().float().norm(norm_type) ** norm_type
-                     for g in grads if g.numel()]
-            if not norms:
-                return torch.zeros((), dtype=torch.float32, device=device)
-            stacked = torch.stack(norms)
-            return stacked.max() if inf else stacked.sum()
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Parameters as 1-D ``ShardedTensor`` pieces, buffers as tensors (Note [sharded state dict]).
 
-        total = local(sharded)
-        if self._config.shard_size > 1:
-            comm.all_reduce(total, self._config.shard_group, op="max" if inf else "sum",
-                            label="shardopt::fsdp::clip_grad_norm").wait()
-        extra = local(others)
-        total = torch.maximum(total, extra) if inf else (total + extra) ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in sharded + others:
-            g.detach().mul_(coef.to(g.dtype))
-        return total
+        Save it with ``torch.distributed.checkpoint.save``; to load (any world size), fill
+        this model's own ``sharded_state_dict()`` with ``dcp.load`` and pass it to
+        :meth:`load_sharded_state_dict`.
+
+        Returns:
+            ``{original name: ShardedTensor | Tensor}``; sharded entries view the live shards.
+
+        Raises:
+            ValueError: called on a nested unit, or a HYBRID_SHARD model.
+        """
+        self._require_root("sharded_state_dict()")
+        units = [m._unit for m in self._units()]
+        return sharded_state.sharded_state(units, dict(self.named_parameters()), dict(self.named_buffers()))
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy a sharded state dict in this model's layout into the shards (Note [sharded state dict]).
+
+        Raises:
+            ValueError: called on a nested unit, names missing, or pieces of another layout.
+        """
+        self._require_root("load_sharded_state_dict()")
+        units = [m._unit for m in self._units()]
+        sharded_state.load_sharded(units, dict(self.named_parameters()), dict(self.named_buffers()), state_dict)
 
     # ------------------------------------------------------------------ optimizer state
     @staticmethod

@@ -1,0 +1,136 @@
+"""Sharded model state of FSDP units as ``torch.distributed.checkpoint``-compatible structures.
+
+Note [sharded state dict]
+Each rank holds, for every original parameter, one contiguous range of the flattened
+parameter (Note [flat parameter layout]). That is exactly a 1-D ``ShardedTensor`` of the
+parameter's ``numel`` elements whose local shard is this rank's piece (no local shard
+where the piece is empty), so :meth:`sharded_state_dict` returns one such tensor per
+parameter, under the original name, and ``torch.distributed.checkpoint`` can save it with
+every rank writing only its pieces. To load at another world size (or with another
+wrapping), build the *new* model's sharded state dict, let ``dcp.load`` fill it in place
+(it reads whichever saved ranges overlap each new piece), then
+:meth:`load_sharded_state_dict`. Parameters that are not sharded (NO_SHARD, or outside any
+unit) and buffers are plain tensors that ``dcp`` deduplicates.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
+
+from shardopt.nn.fsdp.state import ShardingStrategy
+from shardopt.nn.fsdp.unit import Unit
+
+__all__ = ["load_sharded", "sharded_state"]
+
+
+def _locate(units: list[Unit]) -> dict[int, Unit]:
+    return {id(p): u for u in units if u.handle is not None for p in u.handle.params}
+
+
+def _check(units: list[Unit]) -> None:
+    for unit in units:
+        if unit.config.strategy is ShardingStrategy.HYBRID_SHARD:
+            raise ValueError(
+                "sharded_state_dict() does not support HYBRID_SHARD (its pieces repeat across replica groups); "
+                "use state_dict() (full) for HYBRID_SHARD models"
+            )
+
+
+def sharded_state(units: list[Unit], named_params: dict[str, nn.Parameter],
+                  named_buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The sharded state dict (Note [sharded state dict]).
+
+    Args:
+        units: the model's FSDP units (their parameters must be sharded, i.e. between steps).
+        named_params: the model's parameters by original name.
+        named_buffers: the model's buffers by original name.
+
+    Returns:
+        ``{name: ShardedTensor | Tensor}``; the sharded entries view the live shards.
+
+    Raises:
+        ValueError: a HYBRID_SHARD unit.
+    """
+    _check(units)
+    where = _locate(units)
+    out: dict[str, Any] = OrderedDict()
+    for name, param in named_params.items():
+        unit = where.get(id(param))
+        if unit is None or unit.handle is None or unit.config.shard_size == 1:
+            if unit is not None:
+                with _FullViews(unit):
+                    out[name] = param.detach().clone()
+            else:
+                out[name] = param.detach()
+            continue
+        slot = unit.handle.layout.slots[[id(p) for p in unit.handle.params].index(id(param))]
+        shards = []
+        if slot.piece_numel:
+            meta = ShardMetadata([slot.piece_begin], [slot.piece_numel], f"rank:{unit.config.shard_rank}/{param.device}")
+            shards.append(Shard(param.detach().reshape(-1), meta))
+        out[name] = init_from_local_shards(shards, slot.numel, process_group=unit.config.shard_group)
+    for name, buf in named_buffers.items():
+        out[name] = buf.detach()
+    return out
+
+
+class _FullViews:
+    """Context that shows a NO_SHARD unit's parameters with full shapes (no communication)."""
+
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit
+
+    def __enter__(self) -> None:
+        assert self.unit.handle is not None
+        self.unit.handle.use_views(self.unit.handle.views_into(self.unit.handle.shard))
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.unit.handle is not None
+        self.unit.handle.use_shard_views()
+
+
+def load_sharded(units: list[Unit], named_params: dict[str, nn.Parameter],
+                 named_buffers: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+    """Copy a sharded state dict (this model's layout, e.g. filled by ``dcp.load``) into the shards.
+
+    Args:
+        units: the model's FSDP units.
+        named_params: the model's parameters by original name.
+        named_buffers: the model's buffers by original name.
+        state: ``{name: ShardedTensor | Tensor}`` covering every parameter and buffer.
+
+    Raises:
+        ValueError: names missing, or a sharded entry whose pieces do not match this rank's.
+    """
+    _check(units)
+    missing = [n for n in list(named_params) + list(named_buffers) if n not in state]
+    if missing:
+        raise ValueError(
+            f"the sharded state dict lacks {missing[:5]}; build it with this model's sharded_state_dict() "
+            "and fill it with torch.distributed.checkpoint.load"
+        )
+    where = _locate(units)
+    with torch.no_grad():
+        for name, param in named_params.items():
+            value, unit = state[name], where.get(id(param))
+            if isinstance(value, ShardedTensor):
+                local = value.local_shards()
+                piece = local[0].tensor.reshape(-1) if local else torch.empty(0, dtype=param.dtype)
+                if piece.numel() != param.numel():
+                    raise ValueError(
+                        f"sharded entry {name!r} holds {piece.numel()} elements on this rank but its piece has "
+                        f"{param.numel()}; use this model's own sharded_state_dict() as the load target"
+                    )
+                param.reshape(-1).copy_(piece)
+            elif unit is not None and unit.handle is not None:
+                with _FullViews(unit):
+                    param.copy_(value)
+            else:
+                param.copy_(value)
+        for name, buf in named_buffers.items():
+            buf.copy_(state[name])
