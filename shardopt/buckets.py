@@ -7,13 +7,14 @@ updated only the parameters it owns and every rank needs all of them.
 Note [gather by rank streams]
 For each (device, dtype), lay each rank's owned parameters end to end in the partition's
 order: that is the rank's *stream*. Streams differ in length; pad them to the longest one
-and cut that length into chunks of ``bucket_numel`` elements. Chunk ``k`` is one
+and cut that length into chunks of ``C = bucket_bytes / (N * element size)`` elements, so
+that one gathered chunk (all ``N`` contributions) is ``bucket_bytes``. Chunk ``k`` is one
 ``all_gather`` in which every rank contributes elements ``[k*C, (k+1)*C)`` of its own
 stream. On gloo an all-gather sends ``(N-1)/N`` of the gathered bytes per rank, the least any
 scheme can (each rank must receive what the others updated), and it is one collective per
 chunk, never one per parameter. Padding costs ``(N-1) * (longest - own)`` elements, which the
-size-balanced partition keeps small. Temporary memory is ``(N+1) * C`` elements per chunk
-in flight, with at most two chunks in flight.
+size-balanced partition keeps small. Temporary memory is one gathered chunk
+(``bucket_bytes``) per chunk in flight, at most two in flight, whatever the world size.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class ParamGather:
         partition: who owns what.
         rank: this process's rank in ``group``.
         group: the process group.
-        bucket_bytes: bytes per rank contribution per collective.
+        bucket_bytes: bytes of one gathered chunk (all ranks' contributions together); the
+            sync issues ``ceil(longest stream / chunk)`` collectives per (device, dtype).
         fp16: send fp32 parameters as fp16 (halves the bytes; receivers get rounded values,
             the owner keeps full precision).
     """
@@ -126,7 +128,8 @@ class ParamGather:
         in_flight: deque[_InFlightChunk] = deque()
         for stream in self._streams:
             wire = self._wire_dtype(stream.dtype)
-            chunk = max(1, self._bucket_bytes // torch.empty((), dtype=wire).element_size())
+            element_bytes = torch.empty((), dtype=wire).element_size()
+            chunk = max(1, self._bucket_bytes // (self._num_ranks * element_bytes))
             chunk = min(chunk, stream.longest)
             for begin in range(0, stream.longest, chunk):
                 length = min(chunk, stream.longest - begin)

@@ -209,6 +209,10 @@ class OSS(Optimizer):
 
         Optimizer state moves with its parameter to the new owner; the state of a frozen
         parameter is kept for when it is unfrozen (Note [parked state]).
+
+        Raises:
+            ValueError: the ranks froze different parameters (named), or a trainable
+                parameter is not contiguous.
         """
         self._check_same_params_on_all_ranks()
         self._repartition(migrate=True)
