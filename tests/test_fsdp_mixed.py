@@ -1,0 +1,160 @@
+"""Mixed precision, HYBRID_SHARD and meta-device initialisation of FullyShardedDataParallel."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardopt import comm
+from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
+from shardopt.nn.fsdp import MixedPrecision, ModuleClassPolicy, ShardingStrategy
+from shardopt.testing import run_ranks
+from tests.common import max_abs_diff, rank_batch, seeded_mlp
+from tests.fsdp_models import Block, gpt, lm_loss, tokens
+
+BLOCKS = ModuleClassPolicy((Block,))
+
+
+def _reference_step(master: nn.Module, opt: torch.optim.Optimizer, toks: torch.Tensor, policy: MixedPrecision) -> None:
+    """The same arithmetic without FSDP: compute in param_dtype, g*(1/N) and sum in reduce_dtype."""
+    assert policy.param_dtype is not None
+    low = copy.deepcopy(master).to(policy.param_dtype)
+    lm_loss(low(toks), toks).backward()
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype
+    for p, q in zip(master.parameters(), low.parameters()):
+        assert q.grad is not None
+        g = q.grad.to(reduce_dtype).mul_(1.0 / comm.group_size(None))
+        comm.all_reduce(g, None).wait()
+        if policy.keep_low_precision_grads:
+            p.grad_dtype = None
+            p.grad = g
+        else:
+            p.grad = g.to(p.dtype)
+    opt.step()
+    opt.zero_grad()
+
+
+def _mixed(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    policies = (
+        MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        MixedPrecision(param_dtype=torch.bfloat16),
+        MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32, keep_low_precision_grads=True),
+    )
+    for policy in policies:
+        for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+            master = gpt()
+            model = FSDP(gpt(), sharding_strategy=strategy, mixed_precision=policy, auto_wrap_policy=BLOCKS)
+            opt_ref, opt = torch.optim.SGD(master.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                toks = tokens(rank, step)
+                _reference_step(master, opt_ref, toks, policy)
+                logits = model(toks)
+                assert logits.dtype == policy.param_dtype
+                lm_loss(logits, toks).backward()
+                grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+                want = policy.reduce_dtype or policy.param_dtype if policy.keep_low_precision_grads else torch.float32
+                assert grad_dtypes == {want}, (grad_dtypes, want)
+                opt.step()
+                opt.zero_grad()
+            assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master shards
+            key = f"{policy.param_dtype}/{policy.reduce_dtype}/{policy.keep_low_precision_grads}/{strategy.name}"
+            out[key] = max_abs_diff(model.state_dict().values(), master.state_dict().values())
+    return out
+
+
+def test_mixed_precision_matches_a_reference_reducing_in_the_same_dtype_and_order() -> None:
+    for out in run_ranks(_mixed, 2):
+        assert max(out.values()) == 0.0, out
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def _buffers(rank: int, world_size: int) -> str:
+    model = FSDP(_WithBuffer(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    y = model(torch.randn(3, 8))
+    return f"{model.module.scale.dtype} {y.dtype}"
+
+
+def test_buffer_dtype_casts_buffers() -> None:
+    assert run_ranks(_buffers, 1) == ["torch.bfloat16 torch.bfloat16"]
+
+
+def _hybrid(rank: int, world_size: int) -> dict[str, float]:
+    # Ranks {0,1} and {2,3} each hold a full copy, sharded in two; {0,2} and {1,3} replicate.
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pair = (shard_groups[rank // 2], replicate_groups[rank % 2])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out: dict[str, float] = {}
+    for how in ("groups", "mesh"):
+        ref = DDP(gpt())
+        kwargs = {"process_group": pair} if how == "groups" else {"device_mesh": mesh}
+        model = FSDP(gpt(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy=BLOCKS, **kwargs)
+        opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(
+            model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(4):
+            toks = tokens(rank, step)
+            for m, o in ((ref, opt_ref), (model, opt)):
+                o.zero_grad()
+                lm_loss(m(toks), toks).backward()
+            norm = model.clip_grad_norm_(1e9)
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+            out[f"{how}/norm"] = max(out.get(f"{how}/norm", 0.0), abs(norm.item() - norm_ref.item()) / norm_ref.item())
+            opt_ref.step()
+            opt.step()
+        plain = ref.module.state_dict()
+        scale = max(v.abs().max().item() for v in plain.values())
+        out[how] = max_abs_diff(model.state_dict().values(), plain.values()) / scale
+        # every parameter piece is a quarter-ish of the model: sharded in two, not four
+        local = sum(p.numel() for p in model.parameters())
+        out[f"{how}/fraction"] = local / sum(p.numel() for p in ref.parameters())
+    return out
+
+
+def test_hybrid_shard_on_four_ranks_matches_ddp_within_1e6() -> None:
+    for out in run_ranks(_hybrid, 4, timeout_s=120):
+        assert max(v for k, v in out.items() if not k.endswith("fraction")) <= 1e-6, out
+        assert 0.45 < out["groups/fraction"] < 0.6 and 0.45 < out["mesh/fraction"] < 0.6, out
+
+
+def _meta(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    expected = seeded_mlp(seed=3).state_dict()
+    with torch.device("meta"):
+        module = seeded_mlp(seed=3)
+    torch.manual_seed(3)  # reset_parameters() runs in module order, as construction did
+    model = FSDP(module)
+    out["reset_parameters"] = max_abs_diff(model.state_dict().values(), expected.values())
+
+    def init(m: nn.Module) -> None:
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(0.5)
+
+    with torch.device("meta"):
+        module = seeded_mlp()
+    model = FSDP(module, param_init_fn=init)
+    out["param_init_fn"] = float(not all(bool((v == 0.5).all()) for v in model.state_dict().values()))
+    y = model(rank_batch(rank, 0))
+    out["forward"] = float(tuple(y.shape) != (6, 4))
+    return out
+
+
+def test_meta_device_modules_are_materialised_by_reset_parameters_or_param_init_fn() -> None:
+    for out in run_ranks(_meta, 2):
+        assert max(out.values()) == 0.0, out
