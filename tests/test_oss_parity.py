@@ -157,3 +157,29 @@ def test_oss_matches_ddp_and_single_process_reference(world_size: int) -> None:
                 failures.append(f"{case.name} {key}: max|diff|={diff} relative={rel}")
         print(f"  {case.name:24s} " + "  ".join(row))
     assert not failures, failures
+
+
+def _cuda_single_rank(rank: int, world_size: int) -> tuple[float, float]:
+    device = torch.device("cuda", rank)
+    ref, model = mixed_mlp().to(device), mixed_mlp().to(device)
+    ref_opt = Adam(ref.parameters(), lr=1e-2)
+    opt = OSS(model.parameters(), optim=Adam, lr=1e-2)
+    norm_diff = 0.0
+    for step in range(STEPS):
+        x = rank_batch(rank, step).to(device)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad(set_to_none=step % 2 == 0)
+            loss_fn(m, x).backward()
+        expected = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.05)
+        got = opt.clip_grad_norm(0.05)
+        norm_diff = max(norm_diff, abs(float(expected) - float(got)))
+        ref_opt.step()
+        opt.step()
+    return relative_diff(list(model.parameters()), list(ref.parameters()))[0], norm_diff
+
+
+@pytest.mark.gpu
+def test_oss_on_cuda_with_fp32_and_bf16_params_matches_torch_at_one_rank() -> None:
+    # NOTE: written without a GPU at hand; run on a CUDA machine (NCCL, one rank).
+    (result,) = run_ranks(_cuda_single_rank, 1, timeout_s=120)
+    assert result == (0.0, 0.0), result

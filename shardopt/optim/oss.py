@@ -391,11 +391,17 @@ class OSS(Optimizer):
         norm_type = float(norm_type)
         exchange = torch.zeros(2 * len(params), dtype=dtype, device=device)
         grads = []
+        by_kind: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         for p in mine:
             grad = p.grad.detach()  # type: ignore[union-attr]
             grads.append(grad)
-            exchange[position[p]] = torch.linalg.vector_norm(grad, norm_type).to(device)
-            exchange[len(params) + position[p]] = 1
+            by_kind.setdefault((str(grad.device), grad.dtype), []).append(p)
+        for kind_params in by_kind.values():
+            # The same per-tensor kernel torch's clip uses (a per-tensor loop on the CPU).
+            norms = torch._foreach_norm([p.grad.detach() for p in kind_params], norm_type)  # type: ignore[union-attr]
+            for p, n in zip(kind_params, norms):
+                exchange[position[p]] = n.to(device)
+                exchange[len(params) + position[p]] = 1
         comm.all_reduce(exchange, self.group, op="sum", label="shardopt::oss::clip_grad_norm").wait()
         counted = (exchange[len(params):] > 0).nonzero().flatten().tolist()  # one device sync, not one per param
         counted = _torch_norm_order(counted, params)
