@@ -1,0 +1,158 @@
+"""Every user mistake FullyShardedDataParallel detects ends in a clear error (or warning)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardopt.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP
+from shardopt.nn.fsdp import MixedPrecision, ModuleClassPolicy, ShardingStrategy
+from shardopt.testing import run_ranks
+from tests.common import rank_batch, seeded_mlp
+from tests.fsdp_models import Block, gpt, lm_loss, tokens
+
+
+def _message(fn: Callable[[], Any], kind: type[BaseException]) -> str:
+    try:
+        fn()
+    except kind as exc:
+        return str(exc)
+    raise AssertionError(f"{fn} did not raise {kind.__name__}")
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4).double()
+
+
+def _errors(rank: int, world_size: int) -> dict[str, str]:
+    m: dict[str, str] = {}
+    wrapped = FSDP(seeded_mlp())
+    m["double_wrap"] = _message(lambda: FSDP(wrapped), ValueError)
+    m["not_module"] = _message(lambda: FSDP("model"), TypeError)  # type: ignore[arg-type]
+    m["policy"] = _message(lambda: FSDP(seeded_mlp(), auto_wrap_policy=5), TypeError)  # type: ignore[arg-type]
+    m["strategy"] = _message(lambda: FSDP(seeded_mlp(), sharding_strategy="FULL_SHARD"), TypeError)  # type: ignore[arg-type]
+    m["mp_type"] = _message(lambda: FSDP(seeded_mlp(), mixed_precision=torch.bfloat16), TypeError)  # type: ignore[arg-type]
+    m["mp_dtype"] = _message(lambda: MixedPrecision(param_dtype=torch.int8), TypeError)
+    m["prefetch"] = _message(lambda: FSDP(seeded_mlp(), backward_prefetch="pre"), TypeError)  # type: ignore[arg-type]
+    m["hybrid_groups"] = _message(lambda: FSDP(seeded_mlp(), sharding_strategy=ShardingStrategy.HYBRID_SHARD), ValueError)
+    pair = (dist.new_group([0]), dist.new_group([0]))
+    m["pair_not_hybrid"] = _message(lambda: FSDP(seeded_mlp(), process_group=pair), ValueError)
+    m["dtypes"] = _message(lambda: FSDP(_Pair()), TypeError)
+    # a tied weight split over units wrapped by hand
+    model = gpt()
+    model.embed = FSDP(model.embed)  # type: ignore[assignment]
+    m["tied_by_hand"] = _message(lambda: FSDP(model), ValueError)
+    # meta tensors left by a param_init_fn that does nothing
+    with torch.device("meta"):
+        meta = seeded_mlp()
+    m["meta_left"] = _message(lambda: FSDP(meta, param_init_fn=lambda mod: None), ValueError)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDP(seeded_mlp(), param_init_fn=lambda mod: None)
+    m["init_fn_ignored"] = " ".join(str(w.message) for w in caught)
+    # misuse at run time
+    root = FSDP(gpt(), auto_wrap_policy=ModuleClassPolicy((Block,)))
+    toks = tokens(rank, 0)
+    lm_loss(root(toks), toks).backward()
+    nested = root.module.blocks[0]
+    m["nested_no_sync"] = _message(lambda: nested.no_sync().__enter__(), ValueError)
+    m["nested_clip"] = _message(lambda: nested.clip_grad_norm_(1.0), ValueError)
+    m["nested_sharded_sd"] = _message(lambda: nested.sharded_state_dict(), ValueError)
+    m["clip_args"] = _message(lambda: root.clip_grad_norm_(0.0), ValueError)
+    m["rank0_writeback"] = _message(lambda: root.summon_full_params(rank0_only=True).__enter__(), ValueError)
+
+    def forward_inside_summon() -> None:
+        with root.summon_full_params():
+            root(toks)
+
+    m["forward_in_summon"] = _message(forward_inside_summon, ValueError)
+    m["assign"] = _message(lambda: root.load_state_dict(root.state_dict(), assign=True), ValueError)
+    sharded = root.sharded_state_dict()
+    sharded.pop("pos")
+    m["sharded_missing"] = _message(lambda: root.load_sharded_state_dict(sharded), ValueError)
+    other = FSDP(gpt())  # one unit: other flat offsets, other pieces
+    try:
+        root.load_sharded_state_dict(other.sharded_state_dict())
+        m["sharded_layout"] = ""
+    except ValueError as exc:
+        m["sharded_layout"] = str(exc)
+    # optimizer state
+    opt = torch.optim.Adam(list(root.parameters()) + [nn.Parameter(torch.zeros(3))])
+    m["foreign_param"] = _message(lambda: FSDP.full_optim_state_dict(root, opt), ValueError)
+    opt = torch.optim.Adam(root.parameters())
+    m["not_osd"] = _message(lambda: FSDP.shard_full_optim_state_dict({}, root, opt), ValueError)
+    two_groups = torch.optim.Adam([{"params": list(root.parameters())[:2]}, {"params": list(root.parameters())[2:]}])
+    osd = FSDP.full_optim_state_dict(root, opt, rank0_only=False)
+    m["groups"] = _message(lambda: FSDP.shard_full_optim_state_dict(osd, root, two_groups), ValueError)
+    osd_missing = {**osd, "param_groups": [{**osd["param_groups"][0], "params": osd["param_groups"][0]["params"][1:]}]}
+    m["name_missing"] = _message(lambda: FSDP.shard_full_optim_state_dict(osd_missing, root, opt), ValueError)
+    # a state-key mismatch: only rank 0 steps before consolidating
+    if rank == 0:
+        opt.step()
+    m["keys_differ"] = _message(lambda: FSDP.full_optim_state_dict(root, opt), ValueError)
+    return m
+
+
+EXPECTED = {
+    "double_wrap": "already a FullyShardedDataParallel",
+    "not_module": "must be a torch.nn.Module",
+    "policy": "auto_wrap_policy must be callable",
+    "strategy": "sharding_strategy must be a ShardingStrategy",
+    "mp_type": "mixed_precision must be a MixedPrecision",
+    "mp_dtype": "MixedPrecision.param_dtype must be a floating point",
+    "prefetch": "backward_prefetch must be a BackwardPrefetch",
+    "hybrid_groups": "HYBRID_SHARD needs process_group=(shard_group, replicate_group)",
+    "pair_not_hybrid": "only meaningful with HYBRID_SHARD",
+    "dtypes": "must share one dtype and device",
+    "tied_by_hand": "parameter 'head.weight' is owned by FullyShardedDataParallel unit",
+    "meta_left": "still on the meta device",
+    "init_fn_ignored": "param_init_fn is ignored",
+    "nested_no_sync": "no_sync() must be called on the root",
+    "nested_clip": "clip_grad_norm_() must be called on the root",
+    "nested_sharded_sd": "sharded_state_dict() must be called on the root",
+    "clip_args": "max_norm > 0",
+    "rank0_writeback": "pass writeback=False",
+    "forward_in_summon": "inside summon_full_params",
+    "assign": "use assign=False",
+    "sharded_missing": "the sharded state dict lacks ['pos']",
+    "name_missing": "is not in the matching param group",
+    "foreign_param": "not one of the model's parameters",
+    "not_osd": "must be the dict returned by full_optim_state_dict",
+    "groups": "param groups",
+    "keys_differ": "ranks hold different optimizer state keys",
+}
+
+
+def test_user_mistakes_raise_errors_that_say_what_to_do() -> None:
+    results = run_ranks(_errors, 2)
+    for messages in results:
+        for key, fragment in EXPECTED.items():
+            assert fragment in messages[key], (key, messages[key])
+    # pieces differ on at least one rank (which one depends on where the offsets fall)
+    assert any("use this model's own sharded_state_dict()" in m["sharded_layout"] for m in results), results
+
+
+def _hybrid_sharded(rank: int, world_size: int) -> str:
+    pair = (dist.new_group([0]), dist.new_group([0]))
+    model = FSDP(seeded_mlp(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=pair,
+                 backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+    model(rank_batch(rank, 0)).sum().backward()
+    return _message(model.sharded_state_dict, ValueError)
+
+
+def test_sharded_state_dict_of_hybrid_shard_says_to_use_the_full_one() -> None:
+    assert "use state_dict() (full)" in run_ranks(_hybrid_sharded, 1)[0]
+
+
+def test_fsdp_without_a_process_group_says_how_to_start_one() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        FSDP(seeded_mlp())
