@@ -15,6 +15,15 @@ gradient accumulation across steps without ``no_sync``; under ``no_sync`` the fu
 local gradients are summed into :attr:`Unit.grad_accumulator` and reduced at the next
 synchronised backward, in the same order DDP adds them (``g1 + g2``, then ``* (1/N)``).
 
+Note [reduce-scatter on gloo]
+gloo's reduce-scatter costs as much as an all-reduce (every rank sends the whole buffer).
+On CPU tensors (gloo) the unit instead sends shard ``r`` of its gradient buffer to rank
+``r`` with one ``all_to_all`` and adds the ``N`` received copies in rank order, so each rank
+sends ``(N-1)/N`` of the buffer: FULL_SHARD then sends 1.5x what DDP's ring all-reduce does
+per step (two all-gathers and this), SHARD_GRAD_OP 1.0x, as in the ZeRO paper. With two
+ranks the sum of two copies is DDP's sum, bit for bit. CUDA tensors use the backend's
+reduce-scatter.
+
 Note [average like DDP]
 DDP multiplies each local gradient by ``1/N`` (a reciprocal, not a division) and then sums
 over ranks. The reduction here does exactly that before the reduce-scatter (or all-reduce),
@@ -45,7 +54,8 @@ class PendingReduce:
     Attributes:
         unit: the unit whose gradients are being reduced.
         work: the reduce-scatter (or all-reduce for NO_SHARD) in flight.
-        reduced: where the reduced shard lands (reduce dtype).
+        reduced: where the reduced shard lands (reduce dtype); on gloo every rank's copy of
+            this rank's shard, one row per rank, summed by ``finish_reduce_``.
         trainable: the parameters that required grad when the reduction started.
     """
 
@@ -53,6 +63,8 @@ class PendingReduce:
     work: comm.PendingWork
     reduced: torch.Tensor
     trainable: list[tuple[nn.Parameter, ParamSlot]] = field(default_factory=list)
+    rows: int = 1
+    """How many ranks' copies of the shard ``reduced`` holds, still to be summed (gloo)."""
 
 
 @dataclass
@@ -218,6 +230,12 @@ class Unit:
         if self.config.shard_size == 1:
             work = comm.all_reduce(send, self.config.replicate_group, label=self._label("all_reduce"))
             return PendingReduce(self, work, send, trainable)
+        if handle.device.type == "cpu":  # gloo: Note [reduce-scatter on gloo]
+            shard = handle.layout.shard_numel
+            recv = torch.empty_like(send)
+            splits = [shard] * self.config.shard_size
+            work = comm.all_to_all(recv, send, splits, splits, self.config.shard_group, label=self._label("reduce_scatter"))
+            return PendingReduce(self, work, recv, trainable, rows=self.config.shard_size)
         out = torch.empty(handle.layout.shard_numel, dtype=reduce_dtype, device=handle.device)
         work = comm.reduce_scatter(out, send, self.config.shard_group, label=self._label("reduce_scatter"))
         return PendingReduce(self, work, out, trainable)
@@ -226,6 +244,11 @@ class Unit:
         """Wait for a reduction and add the reduced shard to the parameters' gradients."""
         pending.work.wait()
         reduced = pending.reduced
+        if pending.rows > 1:  # every rank's copy of this shard, summed in rank order
+            rows = reduced.view(pending.rows, -1)
+            reduced = rows[0].clone()
+            for row in rows[1:]:
+                reduced.add_(row)
         if self.config.shard_size > 1 and self.config.replicate_size > 1:
             comm.all_reduce(reduced, self.config.replicate_group, label=self._label("all_reduce")).wait()
         assert self.handle is not None
