@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff
+from tests.common import max_abs_diff, rank_batch, seeded_mlp
 from tests.fsdp_models import Block, gpt, lm_loss, tokens
 
 BLOCKS = ModuleClassPolicy((Block,))
@@ -189,3 +189,24 @@ def _sync(rank: int, world_size: int) -> float:
 
 def test_sync_module_states_gives_every_rank_rank0_weights() -> None:
     assert run_ranks(_sync, 3) == [0.0, 0.0, 0.0]
+
+
+def _ignored(rank: int, world_size: int) -> dict[str, float]:
+    plain, core = seeded_mlp(), seeded_mlp()
+    model = FSDP(core, ignored_modules=[core[4]])
+    x = rank_batch(rank, 0)
+    model(x).pow(2).mean().backward()
+    plain(x).pow(2).mean().backward()
+    return {
+        "ignored_full_shape": float(core[4].weight.dim() != 2),
+        "others_sharded": float(core[0].weight.dim() != 1),
+        # FSDP leaves an ignored module's gradients local (not averaged over ranks)
+        "ignored_local_grad": max_abs_diff([core[4].weight.grad, core[4].bias.grad],
+                                           [plain[4].weight.grad, plain[4].bias.grad]),
+        "state_dict": max_abs_diff(model.state_dict().values(), plain.state_dict().values()),
+    }
+
+
+def test_ignored_modules_stay_unsharded_with_local_gradients() -> None:
+    for out in run_ranks(_ignored, 2):
+        assert max(out.values()) == 0.0, out

@@ -199,7 +199,6 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
         self._pending: deque[PendingReduce] = deque()
         self._no_sync = False
-        self._hook_handles: list[Any] = []
         logger.debug("FSDP unit %r: %d parameters", name, len(params))
 
     # ------------------------------------------------------------------ plumbing
@@ -311,7 +310,10 @@ class FullyShardedDataParallel(nn.Module):
         hook = functools.partial(FullyShardedDataParallel._pre_backward, self)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                self._root._hook_handles.append(t.register_hook(hook))
+                # Owned by the output tensor: it fires at most once per backward through
+                # it and dies with it, so no handle is kept (a forward without backward
+                # would otherwise leave handles behind).
+                t.register_hook(hook)
         if self._is_root:
             self._exec_order_done = True
 
@@ -359,9 +361,6 @@ class FullyShardedDataParallel(nn.Module):
                 m._unit.reshard_()
                 m._unit.reset_step_()
                 m._training_state = m._training_state.advance(TrainingState.IDLE, m._unit.rank)
-            for handle in self._hook_handles:
-                handle.remove()
-            self._hook_handles = []
             self._callback_queued = False
 
     def _prefetch(self, current: FullyShardedDataParallel, forward: bool) -> None:
