@@ -52,6 +52,10 @@ def _eval_after_training(rank: int, world_size: int) -> dict[str, float]:
                     with torch.no_grad():
                         diffs.append(max_abs_diff([ref(toks)], [model(toks)]))
                     assert _all_sharded(model), f"{strategy} left a unit gathered after a no-grad forward"
+                # a forward with autograd on whose backward never comes, then a full state dict
+                stale = model(tokens(rank, 9))
+                del stale
+                diffs.append(max_abs_diff(model.state_dict().values(), ref.module.state_dict().values()))
                 for step in range(4, 6):
                     toks = tokens(rank, step)
                     diffs.append(abs(_step(ref, opt_ref, toks) - _step(model, opt, toks)))

@@ -435,13 +435,13 @@ class FullyShardedDataParallel(nn.Module):
                 if m._training_state is TrainingState.SUMMON_FULL_PARAMS:
                     continue  # already summoned by an enclosing call
                 record = m._unit.summon_(with_grads, visible, offload_to_cpu)
-                m._training_state = TrainingState.SUMMON_FULL_PARAMS
+                m._training_state = m._training_state.advance(TrainingState.SUMMON_FULL_PARAMS, m._unit.rank)
                 entered.append((m, record))
             yield
         finally:
             for m, record in entered:
                 m._unit.unsummon_(record, writeback)
-                m._training_state = TrainingState.IDLE
+                m._training_state = m._training_state.advance(TrainingState.IDLE, m._unit.rank)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """Apply ``fn`` to every submodule with full parameters (written back to the shards)."""

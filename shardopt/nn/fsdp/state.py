@@ -150,7 +150,10 @@ class TrainingState(enum.Enum):
         """
         allowed = {
             TrainingState.IDLE: {TrainingState.FORWARD_BACKWARD, TrainingState.SUMMON_FULL_PARAMS, TrainingState.IDLE},
-            TrainingState.FORWARD_BACKWARD: {TrainingState.FORWARD_BACKWARD, TrainingState.IDLE},
+            # a forward whose backward never came may be followed by a summon
+            TrainingState.FORWARD_BACKWARD: {
+                TrainingState.FORWARD_BACKWARD, TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS
+            },
             TrainingState.SUMMON_FULL_PARAMS: {TrainingState.IDLE},
         }
         if new not in allowed[self]:
