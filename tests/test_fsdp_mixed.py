@@ -100,6 +100,9 @@ def _hybrid(rank: int, world_size: int) -> dict[str, float]:
     pair = (shard_groups[rank // 2], replicate_groups[rank % 2])
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out: dict[str, float] = {}
+    synced = FSDP(gpt(seed=rank), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=pair,
+                  sync_module_states=True)
+    out["sync_module_states"] = max_abs_diff(synced.state_dict().values(), gpt().state_dict().values())
     for how in ("groups", "mesh"):
         ref = DDP(gpt())
         kwargs = {"process_group": pair} if how == "groups" else {"device_mesh": mesh}

@@ -183,8 +183,11 @@ def test_clip_grad_norm_matches_torch_clip_on_ddp_within_1e6() -> None:
 
 
 def _sync(rank: int, world_size: int) -> float:
-    model = FSDP(gpt(seed=rank), sync_module_states=True, auto_wrap_policy=BLOCKS)
-    return max_abs_diff(model.state_dict().values(), gpt(seed=0).state_dict().values())
+    worst = 0.0
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD):
+        model = FSDP(gpt(seed=rank), sync_module_states=True, auto_wrap_policy=BLOCKS, sharding_strategy=strategy)
+        worst = max(worst, max_abs_diff(model.state_dict().values(), gpt(seed=0).state_dict().values()))
+    return worst
 
 
 def test_sync_module_states_gives_every_rank_rank0_weights() -> None:

@@ -103,7 +103,8 @@ class FullyShardedDataParallel(nn.Module):
             which submodules become nested units (see ``shardopt.nn.fsdp.wrap``).
         device_mesh: alternative to ``process_group``: 1-D, or 2-D ``(replicate, shard)`` for
             HYBRID_SHARD.
-        sync_module_states: broadcast rank 0's parameters and buffers before sharding.
+        sync_module_states: broadcast the parameters and buffers of rank 0 (of the model's
+            groups) to all its ranks before sharding.
         param_init_fn: materialises a module created on the meta device; without it such a
             module is moved with ``to_empty`` and each submodule's ``reset_parameters()`` runs.
         ignored_modules: modules whose parameters FSDP neither shards nor reduces.
@@ -153,8 +154,13 @@ class FullyShardedDataParallel(nn.Module):
         ignored = {id(m) for top in (ignored_modules or ()) for m in top.modules()}
         materialize(module, param_init_fn)
         if sync_module_states:
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                comm.broadcast(tensor.data, 0, None, label="shardopt::fsdp::sync_module_states").wait()
+            # From rank 0 of the shard group, then from rank 0 of the replica group: every rank
+            # of the model's groups ends with the values of the first rank of the first group.
+            groups = [(config.shard_size, config.shard_group), (config.replicate_size, config.replicate_group)]
+            for size, group in groups:
+                if size > 1:
+                    for tensor in list(module.parameters()) + list(module.buffers()):
+                        comm.broadcast(tensor.data, 0, group, label="shardopt::fsdp::sync_module_states").wait()
         buffer_dtype = config.mixed_precision.buffer_dtype
         if buffer_dtype is not None:
             for sub in module.modules():
