@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 from collections.abc import Mapping
 from typing import Any
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from shardopt import comm
 from shardopt.optim import OSS
 
-__all__ = ["load_consolidated", "load_sharded", "save_consolidated", "save_sharded"]
+__all__ = ["load_consolidated", "load_sharded", "read_extra", "save_consolidated", "save_sharded"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,33 @@ def load_consolidated(
         shard = getattr(type(module), "shard_full_optim_state_dict", None)
         optimizer.load_state_dict(shard(blob["optimizer"], module, optimizer) if shard is not None
                                   else blob["optimizer"])
+    return dict(blob["extra"])
+
+
+def read_extra(path: str) -> dict[str, Any] | None:
+    """The ``extra`` dict of a checkpoint (file or folder) without loading any state, or ``None``.
+
+    Lets a caller check that a checkpoint belongs to its model before loading it.
+
+    Args:
+        path: a consolidated checkpoint file or a sharded checkpoint folder.
+
+    Returns:
+        The saved ``extra``, or ``None`` when ``path`` holds no shardopt checkpoint.
+    """
+    if os.path.isdir(path):
+        meta_path = os.path.join(path, _META_FILE)
+        if not os.path.isfile(meta_path):
+            return None
+        return dict(torch.load(meta_path, map_location="cpu", weights_only=True)["extra"])
+    if not os.path.isfile(path):
+        return None
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        return None  # not a torch.save file at all
+    if not isinstance(blob, dict) or blob.get("format") != CONSOLIDATED_FORMAT:
+        return None
     return dict(blob["extra"])
 
 

@@ -15,6 +15,7 @@ Bad arguments end with one line ``shardopt <command>: error: ...`` and exit code
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import socket
@@ -179,7 +180,8 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
         return {int(os.environ["RANK"]): entry(*args)}
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # The launcher logs every rank failure with its own prefixes; _run_launched reports it once.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"shardopt-{os.getpid()}-{time.monotonic_ns()}",
@@ -189,24 +191,49 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
 
 
 def _run_launched(command: str, entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
-    """:func:`launch`, turning Ctrl-C and rank failures into a message and an exit code."""
+    """:func:`launch`, turning Ctrl-C and rank failures into a message and an exit code.
+
+    See Note [no launcher leftovers] for why the exit happens outside the ``except`` blocks.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    lines: list[str] = []
+    code = 0
     try:
         return launch(entry, world_size, *args)
     except (KeyboardInterrupt, SignalException):
-        sys.stderr.write(f"shardopt {command}: interrupted; all ranks were stopped\n")
-        raise SystemExit(_INTERRUPTED_EXIT) from None
+        lines, code = [f"shardopt {command}: interrupted; all ranks were stopped"], _INTERRUPTED_EXIT
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        detail = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        first = str(detail).strip().splitlines()[-1] if str(detail).strip() else f"exit code {failure.exitcode}"
-        if failure.exitcode in (-2, -15) or "KeyboardInterrupt" in str(detail):
-            sys.stderr.write(f"shardopt {command}: interrupted; all ranks were stopped\n")
-            raise SystemExit(_INTERRUPTED_EXIT) from None
-        sys.stderr.write(f"shardopt {command}: error: rank {rank} failed: {first}\n")
-        raise SystemExit(1) from None
+        lines, code = _describe_failure(command, exc)
+    gc.collect()
+    sys.stderr.write("".join(line + "\n" for line in lines))
+    raise SystemExit(code)
+
+
+# Note [no launcher leftovers]
+# The elastic agent runs a c10d rendezvous store with its own threads in this process. When a
+# launch fails, the exception's traceback keeps the agent, and so those threads, alive; a
+# later launch in the same process (bench runs one per mode) would then fork a process that
+# has live C++ threads, and a forked rank can abort ("std::system_error: Invalid argument").
+# So failures are turned into plain text, the exception is dropped, and the garbage is
+# collected before anything else can fork.
+
+
+def _describe_failure(command: str, exc: Any) -> tuple[list[str], int]:
+    """The lines to print and the exit code for a ``ChildFailedError``."""
+    rank, failure = exc.get_first_failure()
+    message: dict[str, Any] = (failure.message if isinstance(failure.message, dict)
+                               else {"message": str(failure.message)})
+    detail = str(message.get("message", "")).strip()
+    if failure.exitcode in (-2, -15) or "KeyboardInterrupt" in detail:
+        return [f"shardopt {command}: interrupted; all ranks were stopped"], _INTERRUPTED_EXIT
+    info = message.get("extraInfo")
+    stack = info.get("py_callstack") if isinstance(info, dict) else None
+    lines = [f"--- rank {rank} traceback ---\n{stack.rstrip()}"] if stack else []
+    first = detail.splitlines()[0] if detail else f"exit code {failure.exitcode}"
+    lines.append(f"shardopt {command}: error: rank {rank} failed: {first}")
+    return lines, 1
 
 
 def _resolve_world(command: str, args: argparse.Namespace) -> int:
@@ -253,10 +280,27 @@ def _demo(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps, checkpoint_path=os.path.abspath(args.checkpoint) if args.checkpoint else None,
         resume=args.resume, save_every_steps=args.save_every, threads_per_rank=_threads(args, world),
     )
+    if job.resume and job.checkpoint_path and os.path.exists(job.checkpoint_path):
+        _check_checkpoint(job)
     from shardopt.cli_render import demo_rank
 
     results = _run_launched("demo", demo_rank, world, job, args.json)
     return 0 if results else 1
+
+
+def _check_checkpoint(job: TrainJob) -> None:
+    from shardopt.checkpoint import read_extra
+    from shardopt.runner import check_resumable
+
+    assert job.checkpoint_path is not None
+    saved = read_extra(job.checkpoint_path)
+    if saved is None:
+        _fail("demo", f"--checkpoint {job.checkpoint_path!r} exists but is not a shardopt checkpoint; point it "
+              "at a file or folder written by shardopt demo, or drop --resume")
+    try:
+        check_resumable(job.checkpoint_path, saved, job, get_mode(job.mode).sharded_checkpoint)
+    except ValueError as exc:
+        _fail("demo", str(exc))
 
 
 def _scaler_unavailable() -> str | None:

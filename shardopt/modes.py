@@ -45,8 +45,6 @@ class Wrapped:
             full values need :func:`full_parameters`.
         checkpoint_target: the object whose state a checkpoint saves: the unwrapped module
             when its parameters are full, else the sharding wrapper.
-        sharded_checkpoint: save with ``torch.distributed.checkpoint`` (DTensor models)
-            instead of one consolidated file.
     """
 
     model: nn.Module
@@ -56,7 +54,6 @@ class Wrapped:
     zero_grad: Callable[[], None]
     sharded_params: bool = False
     checkpoint_target: nn.Module | None = None
-    sharded_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint_target is None:
@@ -77,6 +74,8 @@ class Mode:
         install_hint: what to do when it is missing.
         build: ``build(module, lr, device)`` -> :class:`Wrapped`; called on every rank.
         peer: whether this is another library's implementation (benchmark comparison).
+        sharded_checkpoint: the demo saves a ``torch.distributed.checkpoint`` folder (DTensor
+            models) instead of one consolidated file.
     """
 
     name: str
@@ -85,6 +84,7 @@ class Mode:
     install_hint: str
     build: Builder
     peer: bool = False
+    sharded_checkpoint: bool = False
 
     def unavailable(self) -> str | None:
         """``None`` when this mode can run here, else a one-line reason with the fix."""
@@ -166,7 +166,7 @@ def _fsdp2_builder(reshard_after_forward: bool) -> Builder:
         fully_shard(module, reshard_after_forward=reshard_after_forward)
         opt = torch.optim.Adam(module.parameters(), lr=lr)
         return Wrapped(module, module, opt, _plain_no_sync, lambda: opt.zero_grad(set_to_none=True),
-                       sharded_params=True, sharded_checkpoint=True)
+                       sharded_params=True)
 
     return build
 
@@ -188,9 +188,9 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("fairscale-default", "fairscale OSS + ShardedDDP, default zero_grad()", ("fairscale", "__version__"),
          _FAIRSCALE_HINT, _fairscale_builder(None), peer=True),
     Mode("fsdp2", "torch fully_shard, reshard_after_forward=False", ("torch.distributed.fsdp", "fully_shard"),
-         "it needs torch >= 2.6", _fsdp2_builder(False), peer=True),
+         "it needs torch >= 2.6", _fsdp2_builder(False), peer=True, sharded_checkpoint=True),
     Mode("fsdp2-reshard", "torch fully_shard, reshard_after_forward=True", ("torch.distributed.fsdp", "fully_shard"),
-         "it needs torch >= 2.6", _fsdp2_builder(True), peer=True),
+         "it needs torch >= 2.6", _fsdp2_builder(True), peer=True, sharded_checkpoint=True),
 )}
 OWN_MODES = tuple(name for name, m in MODES.items() if not m.peer)
 PEER_MODES = tuple(name for name, m in MODES.items() if m.peer)

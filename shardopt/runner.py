@@ -31,7 +31,7 @@ from shardopt.memory import MemoryRecorder
 from shardopt.models import PRESETS, CharBatches, build_model, stdlib_corpus
 from shardopt.modes import Wrapped, full_parameters, get_mode
 
-__all__ = ["RankReport", "StepInfo", "TrainJob", "init_process_group_from_env", "train"]
+__all__ = ["RankReport", "StepInfo", "TrainJob", "check_resumable", "init_process_group_from_env", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,25 +179,54 @@ def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> Non
     extra = {"step": step, "mode": job.mode, "preset": job.preset, "seed": job.seed,
              "scaler": scaler.state_dict() if scaler is not None else None}
     assert wrapped.checkpoint_target is not None
-    if wrapped.sharded_checkpoint:
+    if get_mode(job.mode).sharded_checkpoint:
         checkpoint.save_sharded(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
     else:
         checkpoint.save_consolidated(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
+
+
+def check_resumable(path: str, saved: dict[str, Any], job: TrainJob, sharded_checkpoint: bool) -> None:
+    """Check that a checkpoint's ``extra`` fits ``job`` before anything is loaded.
+
+    The model preset and seed must match (the data order depends on the seed). The mode may
+    change when the checkpoint kind stays the same: a consolidated file resumes under ddp,
+    zero1, zero2 or zero3 alike.
+
+    Args:
+        path: the checkpoint, for the message.
+        saved: its ``extra`` (see :func:`shardopt.checkpoint.read_extra`).
+        job: the job about to resume.
+        sharded_checkpoint: whether ``job.mode`` saves sharded folders.
+
+    Raises:
+        ValueError: another model or seed, or a file where a folder is needed (or back).
+    """
+    ours = {"preset": job.preset, "seed": job.seed}
+    theirs = {k: saved.get(k) for k in ours}
+    if theirs != ours:
+        raise ValueError(f"checkpoint {path!r} was saved with {theirs}, not {ours}; resume with the same --model "
+                         "and --seed, or point --checkpoint elsewhere")
+    if os.path.isdir(path) != sharded_checkpoint:
+        kind = "a sharded folder" if os.path.isdir(path) else "a consolidated file"
+        raise ValueError(f"checkpoint {path!r} is {kind} (saved by mode {saved.get('mode')!r}) but mode {job.mode!r} "
+                         f"{'saves sharded folders' if sharded_checkpoint else 'reads consolidated files'}; resume "
+                         f"with --mode {saved.get('mode')} or point --checkpoint elsewhere")
 
 
 def _resume(job: TrainJob, wrapped: Wrapped, scaler: Any | None) -> int:
     path = job.checkpoint_path
     if not job.resume or path is None or not os.path.exists(path):
         return 0
+    saved = checkpoint.read_extra(path)
+    if saved is None:
+        raise ValueError(f"--checkpoint {path!r} exists but is not a shardopt checkpoint; point --checkpoint at "
+                         "a file or folder written by shardopt demo, or drop --resume")
+    check_resumable(path, saved, job, get_mode(job.mode).sharded_checkpoint)
     assert wrapped.checkpoint_target is not None
-    if wrapped.sharded_checkpoint:
+    if get_mode(job.mode).sharded_checkpoint:
         extra = checkpoint.load_sharded(path, wrapped.checkpoint_target, wrapped.optimizer)
     else:
         extra = checkpoint.load_consolidated(path, wrapped.checkpoint_target, wrapped.optimizer)
-    if extra.get("preset") != job.preset or extra.get("seed") != job.seed:
-        raise ValueError(f"checkpoint {path!r} was saved for model {extra.get('preset')!r} with seed "
-                         f"{extra.get('seed')!r}, not {job.preset!r}/{job.seed}; resume with the same "
-                         "--model and --seed, or point --checkpoint elsewhere")
     if scaler is not None and extra.get("scaler"):
         scaler.load_state_dict(extra["scaler"])
     return int(extra["step"])

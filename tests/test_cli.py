@@ -5,6 +5,7 @@ with DDP, bad arguments end in one line and exit code 2, and Ctrl-C stops every 
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -70,6 +71,10 @@ BAD_ARGUMENTS = [
     (["bench", "--plot", "x.png"], "--plot needs matplotlib"),
     (["estimate", "--model", "nomodule", "--world-size", "2"], "must be a preset"),
     (["demo", "--amp", "fp16", "--mode", "fsdp2"], "--amp fp16 is supported with"),
+    (["demo", "--amp", "fp16", "--mode", "zero2"], "needs shardopt.optim.grad_scaler.ShardedGradScaler"),
+    (["estimate", "--model", "no_such_module:make", "--world-size", "2"], "cannot load 'make'"),
+    (["estimate", "--model", "os:getcwd", "--world-size", "2"], "returned str, not an nn.Module"),
+    (["estimate", "--model", "torch.nn:ReLU", "--world-size", "2"], "has no parameters"),
 ]
 
 
@@ -78,7 +83,12 @@ def test_bad_arguments_end_in_one_line_and_exit_code_2(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "fairscale", None)  # an import of it now fails: a missing peer
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.delattr(shardopt.nn.fsdp, "FullyShardedDataParallel")  # a shardopt build without ZeRO-3
-    for argv, expected in BAD_ARGUMENTS:
+    monkeypatch.setitem(sys.modules, "shardopt.optim.grad_scaler", None)
+    _assert_one_line_errors(BAD_ARGUMENTS, capsys)
+
+
+def _assert_one_line_errors(cases: list[tuple[list[str], str]], capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, expected in cases:
         with pytest.raises(SystemExit) as exc:
             main(argv)
         err = capsys.readouterr().err
@@ -87,7 +97,40 @@ def test_bad_arguments_end_in_one_line_and_exit_code_2(monkeypatch: pytest.Monke
         assert expected in err, (argv, err)
 
 
-def test_demo_reports_every_rank_and_resumes_from_its_own_checkpoint(tmp_path: Any) -> None:
+def test_torchrun_and_checkpoint_mismatches_end_in_one_line(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    _assert_one_line_errors([
+        (["demo", "--checkpoint", str(junk), "--resume"], "exists but is not a shardopt checkpoint"),
+    ], capsys)
+    for name, value in (("TORCHELASTIC_RUN_ID", "x"), ("RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    _assert_one_line_errors([
+        (["demo", "--world-size", "3"], "--world-size 3 differs from torchrun's WORLD_SIZE=2"),
+        (["bench"], "run it directly, not under torchrun"),
+    ], capsys)
+
+
+def test_a_failing_rank_stops_the_run_with_its_error(monkeypatch: pytest.MonkeyPatch,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    import shardopt.runner
+
+    def broken(max_bytes: int) -> Any:
+        raise RuntimeError("corpus unreadable")
+
+    monkeypatch.setattr(shardopt.runner, "stdlib_corpus", broken)  # forked ranks inherit the patch
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *TINY, "--steps", "2"])
+    err = capfd.readouterr().err
+    assert exc.value.code == 1
+    assert "traceback ---" in err and 'raise RuntimeError("corpus unreadable")' in err, err
+    assert re.fullmatch(r"shardopt demo: error: rank [01] failed: RuntimeError: corpus unreadable",
+                        err.strip().splitlines()[-1]), err
+
+
+def test_demo_reports_every_rank_and_resumes_from_its_own_checkpoint(tmp_path: Any,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     # a consolidated file (zero2; zero3 gathered through its wrapper) and a sharded dcp folder (fsdp2)
     for mode in ("zero2", "zero3", "fsdp2"):
         ckpt = str(tmp_path / f"ckpt-{mode}")
@@ -98,6 +141,12 @@ def test_demo_reports_every_rank_and_resumes_from_its_own_checkpoint(tmp_path: A
         assert [r["start_step"] for r in resumed["ranks"]] == [3, 3]
         assert [r["final_loss"] for r in resumed["ranks"]] == [r["final_loss"] for r in straight["ranks"]], mode
         assert os.path.isdir(ckpt) == (mode == "fsdp2")
+    _assert_one_line_errors([
+        (["demo", "--model", "small", "--checkpoint", str(tmp_path / "ckpt-zero2"), "--resume"],
+         "was saved with {'preset': 'tiny', 'seed': 0}, not {'preset': 'small', 'seed': 0}"),
+        (["demo", *TINY, "--mode", "fsdp2", "--checkpoint", str(tmp_path / "ckpt-zero2"), "--resume"],
+         "is a consolidated file (saved by mode 'zero2')"),
+    ], capsys)
     ranks = straight["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["final_loss"] != ranks[1]["final_loss"]
     for r in ranks:
