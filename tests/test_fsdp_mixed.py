@@ -155,6 +155,31 @@ def _meta(rank: int, world_size: int) -> dict[str, float]:
     out["param_init_fn"] = float(not all(bool((v == 0.5).all()) for v in model.state_dict().values()))
     y = model(rank_batch(rank, 0))
     out["forward"] = float(tuple(y.shape) != (6, 4))
+    # a tied embedding/head stays tied through materialisation and trains like DDP
+    with torch.device("meta"):
+        meta_gpt = gpt()
+
+    def init_gpt(m: nn.Module) -> None:  # to_empty unties embed/head; FSDP ties them again
+        m.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for sub in m.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+        with torch.no_grad():
+            m.pos.fill_(0.01)
+
+    model = FSDP(meta_gpt, auto_wrap_policy=BLOCKS, param_init_fn=init_gpt)
+    out["still_tied"] = float(meta_gpt.head.weight is not meta_gpt.embed.weight)
+    ref = DDP(gpt())
+    ref.module.load_state_dict(model.state_dict())
+    opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        toks = tokens(rank, step)
+        for m, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            lm_loss(m(toks), toks).backward()
+            o.step()
+    out["tied_training"] = max_abs_diff(model.state_dict().values(), ref.module.state_dict().values())
     return out
 
 

@@ -93,7 +93,8 @@ def materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | 
     """Materialise a module built on the meta device (warn when ``param_init_fn`` is unused).
 
     Without ``param_init_fn`` the module is moved with ``to_empty`` (current CUDA device, or
-    CPU) and every submodule's ``reset_parameters()`` runs, in module order.
+    CPU) and every submodule's ``reset_parameters()`` runs, in module order. Parameters
+    shared by several modules stay shared (the first registration's tensor is kept).
 
     Raises:
         ValueError: meta tensors remain afterwards.
@@ -107,11 +108,26 @@ def materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | 
                 stacklevel=3,
             )
         return
+    # to_empty() makes a new tensor per registration, which would untie shared parameters.
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((sub, name))
+    tied = [where for where in places.values() if len(where) > 1]
+
+    def retie() -> None:
+        for (first, first_name), *rest in tied:
+            for sub, name in rest:
+                sub._parameters[name] = first._parameters[first_name]
+
     if param_init_fn is not None:
         param_init_fn(module)
+        retie()
     else:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         module.to_empty(device=device)
+        retie()
         for sub in module.modules():
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
