@@ -6,6 +6,8 @@ Every comparison here is at two ranks in fp32, where FSDP must be bit-identical 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -245,3 +247,41 @@ def _unused(rank: int, world_size: int) -> dict[str, float]:
 def test_parameter_unused_on_one_rank_does_not_hang_and_matches_ddp() -> None:
     for diffs in run_ranks(_unused, 2, timeout_s=60):
         assert max(diffs.values()) == 0.0, diffs
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    extras: dict[str, torch.Tensor]
+
+
+class _DataclassOut(nn.Module):
+    """A one-unit model (token inputs, no nested units) whose output is a dataclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = gpt()
+
+    def forward(self, toks: torch.Tensor) -> _Output:
+        logits = self.gpt(toks)
+        return _Output(logits=logits, extras={"mean": logits.mean()})
+
+
+def _dataclass_output(rank: int, world_size: int) -> float:
+    plain, model = _DataclassOut(), FSDP(_DataclassOut())
+    ref = _DDPByHand(plain)
+    opt_ref, opt = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        toks = tokens(rank, step)
+        opt_ref.zero_grad()
+        lm_loss(plain(toks).logits, toks).backward()
+        ref.sync()
+        opt_ref.step()
+        opt.zero_grad()
+        lm_loss(model(toks).logits, toks).backward()
+        opt.step()
+    return max_abs_diff(model.state_dict().values(), plain.state_dict().values())
+
+
+def test_dataclass_output_of_a_single_unit_still_reduces_gradients() -> None:
+    assert run_ranks(_dataclass_output, 2) == [0.0, 0.0]

@@ -27,6 +27,7 @@ every rank, and the rest follow in a fixed order, so collectives match across ra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections import OrderedDict, deque
@@ -63,6 +64,21 @@ _MAX_REDUCES_IN_FLIGHT = 2
 def clean_name(name: str) -> str:
     """A parameter/buffer name without the wrapper levels FSDP inserted."""
     return name.replace(_WRAPPED + ".", "")
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``obj``: containers, dicts, named tuples and dataclass outputs."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_in(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, f.name))
 
 
 class _PostBackward(torch.autograd.Function):
@@ -314,7 +330,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._config.reshard_after_forward and not self._is_root:
             self._unit.reshard_()
         hook = functools.partial(FullyShardedDataParallel._pre_backward, self)
-        for t in pytree.tree_leaves(out):
+        for t in _tensors_in(out):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 # Owned by the output tensor: it fires at most once per backward through
                 # it and dies with it, so no handle is kept (a forward without backward
