@@ -33,6 +33,22 @@ class _Pair(nn.Module):
         self.b = nn.Linear(4, 4).double()
 
 
+class _Box:
+    """An output FSDP cannot look into (not a tensor, container or dataclass)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _BoxedOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> _Box:
+        return _Box(self.lin(x))
+
+
 def _errors(rank: int, world_size: int) -> dict[str, str]:
     m: dict[str, str] = {}
     wrapped = FSDP(seeded_mlp())
@@ -85,6 +101,9 @@ def _errors(rank: int, world_size: int) -> dict[str, str]:
         m["sharded_layout"] = ""
     except ValueError as exc:
         m["sharded_layout"] = str(exc)
+    boxed = FSDP(_BoxedOutput())
+    boxed(rank_batch(rank, 0)).tensor.sum().backward()
+    m["unseen_backward"] = _message(lambda: boxed(rank_batch(rank, 1)), ValueError)
     # optimizer state
     opt = torch.optim.Adam(list(root.parameters()) + [nn.Parameter(torch.zeros(3))])
     m["foreign_param"] = _message(lambda: FSDP.full_optim_state_dict(root, opt), ValueError)
@@ -124,6 +143,7 @@ EXPECTED = {
     "forward_in_summon": "inside summon_full_params",
     "assign": "use assign=False",
     "sharded_missing": "the sharded state dict lacks ['pos']",
+    "unseen_backward": "without reaching FSDP's hooks",
     "name_missing": "is not in the matching param group",
     "foreign_param": "not one of the model's parameters",
     "not_osd": "must be the dict returned by full_optim_state_dict",

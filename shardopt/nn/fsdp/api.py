@@ -283,6 +283,8 @@ class FullyShardedDataParallel(nn.Module):
                 "run the forward after leaving the summon_full_params context"
             )
         grad = torch.is_grad_enabled()
+        if self is root:
+            self._check_unseen_backward()
         with torch.profiler.record_function("shardopt::fsdp::pre_forward"):
             if not root._exec_order_done and self not in root._exec_order:
                 root._exec_order.append(self)
@@ -304,6 +306,20 @@ class FullyShardedDataParallel(nn.Module):
         with torch.profiler.record_function("shardopt::fsdp::post_forward"):
             self._post_forward(out, grad)
         return out
+
+    def _check_unseen_backward(self) -> None:
+        """Fail loudly when a backward ran that FSDP's hooks never saw (its gradients would
+        stay unreduced): the root keeps its parameters gathered to the backward, so full
+        gradients on them at the next forward mean no end-of-backward callback ran."""
+        handle = self._unit.handle
+        if handle is None or self._unit.sharded_state is not ShardedState.UNSHARDED:
+            return
+        if any(p.grad is not None for p in handle.params):
+            raise ValueError(
+                "a backward ran through this FullyShardedDataParallel model without reaching FSDP's hooks, so "
+                "its gradients were never reduced; return tensors (or lists, tuples, dicts or dataclasses of "
+                "tensors) from forward so FSDP can hook them"
+            )
 
     def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         flat, spec = pytree.tree_flatten((args, kwargs))
