@@ -36,7 +36,6 @@ __all__ = ["main"]
 
 logger = logging.getLogger(__name__)
 
-MiB = 2.0**20
 _INTERRUPTED_EXIT = 130
 
 
@@ -267,10 +266,12 @@ def _demo(args: argparse.Namespace) -> int:
     _check_mode("demo", args.mode)
     if args.resume and not args.checkpoint:
         _fail("demo", "--resume needs --checkpoint PATH (where to resume from)")
-    if args.amp == "fp16" and args.mode in ("zero3", "fsdp2", "fsdp2-reshard", "fairscale", "fairscale-default"):
-        _fail("demo", f"--amp fp16 is supported with ddp, zero1, zero2 and torch-zero, not {args.mode!r}; "
-              "use --amp bf16 (no scaler needed)")
-    if args.amp == "fp16" and args.mode in ("zero1", "zero2"):
+    scaler = get_mode(args.mode).fp16_scaler
+    if args.amp == "fp16" and scaler is None:
+        supported = ", ".join(name for name, m in MODES.items() if m.fp16_scaler is not None)
+        _fail("demo", f"--amp fp16 is supported with {supported}, not {args.mode!r}; use --amp bf16 (no scaler "
+              "needed)")
+    if args.amp == "fp16" and scaler == "sharded":
         reason = _scaler_unavailable()
         if reason:
             _fail("demo", reason)

@@ -76,6 +76,9 @@ class Mode:
         peer: whether this is another library's implementation (benchmark comparison).
         sharded_checkpoint: the demo saves a ``torch.distributed.checkpoint`` folder (DTensor
             models) instead of one consolidated file.
+        fp16_scaler: the gradient scaler fp16 autocast uses: ``"torch"`` (gradients are full
+            and identical on every rank), ``"sharded"`` (ShardedGradScaler: ranks see
+            different gradients and must agree on inf/nan), or ``None`` (fp16 unsupported).
     """
 
     name: str
@@ -85,6 +88,7 @@ class Mode:
     build: Builder
     peer: bool = False
     sharded_checkpoint: bool = False
+    fp16_scaler: str | None = None
 
     def unavailable(self) -> str | None:
         """``None`` when this mode can run here, else a one-line reason with the fix."""
@@ -175,14 +179,14 @@ _FAIRSCALE_HINT = "install it with: pip install fairscale==0.4.13"
 _OWN_HINT = "update shardopt to a version that ships it, or pick another mode"
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("ddp", "torch DDP + Adam (reference)", None, "", _build_ddp),
-    Mode("zero1", "DDP + shardopt OSS (ZeRO-1)", None, "", _build_zero1),
+    Mode("ddp", "torch DDP + Adam (reference)", None, "", _build_ddp, fp16_scaler="torch"),
+    Mode("zero1", "DDP + shardopt OSS (ZeRO-1)", None, "", _build_zero1, fp16_scaler="sharded"),
     Mode("zero2", "shardopt OSS + ShardedDataParallel (ZeRO-2)", ("shardopt.nn", "ShardedDataParallel"),
-         _OWN_HINT, _build_zero2),
+         _OWN_HINT, _build_zero2, fp16_scaler="sharded"),
     Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn.fsdp", "FullyShardedDataParallel"),
-         _OWN_HINT, _build_zero3),
+         _OWN_HINT, _build_zero3, fp16_scaler="sharded"),
     Mode("torch-zero", "DDP + torch ZeroRedundancyOptimizer", ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
-         "it ships with torch.distributed", _build_torch_zero, peer=True),
+         "it ships with torch.distributed", _build_torch_zero, peer=True, fp16_scaler="torch"),
     Mode("fairscale", "fairscale OSS + ShardedDDP, zero_grad(set_to_none=False)", ("fairscale", "__version__"),
          _FAIRSCALE_HINT, _fairscale_builder(False), peer=True),
     Mode("fairscale-default", "fairscale OSS + ShardedDDP, default zero_grad()", ("fairscale", "__version__"),

@@ -167,7 +167,10 @@ def init_process_group_from_env(timeout_s: float = 600.0) -> torch.device:
 def _make_scaler(job: TrainJob, device: torch.device) -> Any | None:
     if job.amp != "fp16":
         return None
-    if job.mode in ("ddp", "torch-zero"):
+    kind = get_mode(job.mode).fp16_scaler
+    if kind is None:
+        raise ValueError(f"mode {job.mode!r} has no fp16 gradient scaler; use amp='bf16'")
+    if kind == "torch":
         return torch.amp.GradScaler(device.type)
     from shardopt.optim.grad_scaler import ShardedGradScaler
 
