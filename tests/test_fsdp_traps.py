@@ -285,3 +285,18 @@ def _dataclass_output(rank: int, world_size: int) -> float:
 
 def test_dataclass_output_of_a_single_unit_still_reduces_gradients() -> None:
     assert run_ranks(_dataclass_output, 2) == [0.0, 0.0]
+
+
+def _inf_on_one_rank(rank: int, world_size: int) -> list[bool]:
+    seen = []
+    for strategy in SHARDED + (ShardingStrategy.NO_SHARD,):
+        model = FSDP(gpt(), sharding_strategy=strategy, auto_wrap_policy=BLOCKS)
+        toks = tokens(rank, 0)
+        loss = lm_loss(model(toks), toks)
+        (loss * (float("inf") if rank == 0 else 1.0)).backward()
+        seen.append(not bool(torch.isfinite(model.clip_grad_norm_(1.0))))
+    return seen
+
+
+def test_inf_gradient_on_one_rank_reaches_every_rank_without_hanging() -> None:
+    assert run_ranks(_inf_on_one_rank, 3, timeout_s=60) == [[True] * 3] * 3
