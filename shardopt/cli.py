@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train the built-in GPT on the built-in corpus",
                           description="Train the built-in GPT on Python's own sources on local ranks.")
-    _add_run_args(demo, steps=200, batch=8, preset="small")
+    _add_run_args(demo, steps=300, batch=8, preset="small")
     demo.add_argument("--mode", default="zero2", choices=list(MODES), help="how to train (default zero2)")
     demo.add_argument("--amp", choices=["bf16", "fp16"], default=None,
                       help="autocast dtype; fp16 adds a (sharded) gradient scaler")
