@@ -170,13 +170,15 @@ def bench_table(args: argparse.Namespace, world: int, results: list[ModeResult])
                 f"was built; sent = /proc/self/io wchar per step; median over {counted} steps after "
                 f"{args.warmup_steps} warm-up, ranks barrier-aligned; ratios against ddp (worst rank)",
     )
-    for column in ("mode", "heap after step", "heap peak", "sent/step", "median step ms", "max|p - p_ddp|",
-                   "time", "heap", "sent"):
+    on_gpu = any(rank["device_peak"] is not None for r in results for rank in r.ranks)
+    for column in ("mode", "heap after step", "heap peak", *(("GPU peak",) if on_gpu else ()), "sent/step",
+                   "median step ms", "max|p - p_ddp|", "time", "heap", "sent"):
         table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=column == "mode")
     for r in results:
         step = r.worst("median_step_s")
+        gpu = (_per_rank(r, "device_peak", mib),) if on_gpu else ()
         table.add_row(
-            r.mode, _per_rank(r, "heap_after_step", mib), _per_rank(r, "heap_peak", mib),
+            r.mode, _per_rank(r, "heap_after_step", mib), _per_rank(r, "heap_peak", mib), *gpu,
             _per_rank(r, "bytes_per_step", mib), "n/a" if step is None else f"{1000 * step:.1f}",
             f"{r.max_param_diff:.2e}", _x(r.time_ratio), _x(r.heap_ratio), _x(r.bytes_ratio),
         )

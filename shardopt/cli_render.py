@@ -72,12 +72,14 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
                   caption=f"final loss (mean over ranks) {mean_loss:.4f}; {tokens_s} tokens/s; steps "
                           f"{first.start_step}->{job.steps}, statistics over {first.counted_steps} steps after "
                           f"{job.warmup_steps} warm-up; heap is relative to before the model was built")
-    for name in ("rank", "heap after step (MiB)", "heap peak (MiB)", "sent/step (MiB)", "median step (ms)",
-                 "final loss"):
+    on_gpu = any(r.device_peak is not None for r in reports)
+    for name in ("rank", "heap after step (MiB)", "heap peak (MiB)", *(("GPU peak (MiB)",) if on_gpu else ()),
+                 "sent/step (MiB)", "median step (ms)", "final loss"):
         table.add_column(name, justify="right")
     for r in reports:
         step_ms = "n/a" if r.median_step_s is None else f"{1000 * r.median_step_s:.1f}"
-        table.add_row(str(r.rank), mib(r.heap_after_step), mib(r.heap_peak), mib(r.bytes_per_step), step_ms,
+        gpu = (mib(r.device_peak),) if on_gpu else ()
+        table.add_row(str(r.rank), mib(r.heap_after_step), mib(r.heap_peak), *gpu, mib(r.bytes_per_step), step_ms,
                       f"{r.final_loss:.4f}")
     return table
 

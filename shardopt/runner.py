@@ -311,7 +311,9 @@ def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> l
     report = RankReport(
         rank=rank, world_size=world, mode=job.mode, num_params=num_params,
         heap_after_step=recorder.last("step"), heap_peak=recorder.peak(),
-        bytes_per_step=(sum(b for b in sent if b is not None) / len(sent)) if sent and None not in sent else None,
+        # wchar sees socket writes only; NCCL moves data over NVLink/InfiniBand without them.
+        bytes_per_step=(sum(b for b in sent if b is not None) / len(sent))
+        if sent and None not in sent and dist.get_backend() != "nccl" else None,
         median_step_s=statistics.median(times) if times else None,
         step_times_s=times, counted_steps=len(counted), final_loss=loss, start_step=start,
         tokens_per_step=tokens_per_step, device_peak=recorder.device_peak, backend=str(dist.get_backend()),

@@ -247,3 +247,10 @@ def test_demo_runs_unchanged_under_torchrun(tmp_path: Any) -> None:
     assert "final loss" in done.stdout
     data = _json(out)
     assert [r["rank"] for r in data["ranks"]] == [0, 1] and data["ranks"][0]["world_size"] == 2
+
+
+@pytest.mark.gpu
+def test_demo_on_one_gpu_reports_device_memory(tmp_path: Any) -> None:
+    data = _demo(tmp_path, "gpu", "--mode", "zero2", "--steps", "3", "--world-size", "1", "--warmup-steps", "1")
+    rank = data["ranks"][0]
+    assert rank["backend"] == "nccl" and rank["device_peak"] > 0 and rank["bytes_per_step"] is None
