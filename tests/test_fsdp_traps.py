@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -15,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardopt import comm
 from shardopt.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
-from shardopt.testing import run_ranks
+from shardopt.testing import RankFailure, run_ranks
 from tests.common import max_abs_diff
 from tests.fsdp_models import Block, gpt, lm_loss, tokens
 
@@ -300,3 +301,21 @@ def _inf_on_one_rank(rank: int, world_size: int) -> list[bool]:
 
 def test_inf_gradient_on_one_rank_reaches_every_rank_without_hanging() -> None:
     assert run_ranks(_inf_on_one_rank, 3, timeout_s=60) == [[True] * 3] * 3
+
+
+def _unit_skipped_on_one_rank(rank: int, world_size: int) -> None:
+    from tests.test_fsdp_prefetch import _SkippingGPT
+
+    torch.manual_seed(0)
+    core = _SkippingGPT(depth=3)
+    model = FSDP(core, auto_wrap_policy=BLOCKS)
+    core.skip = (1,) if rank == 0 else ()
+    toks = tokens(rank, 0)
+    lm_loss(model(toks), toks).backward()
+
+
+def test_unit_skipped_on_one_rank_ends_in_an_error_naming_the_cause() -> None:
+    # Mismatched collectives cannot be detected without one more collective per unit; the
+    # group timeout ends them and the error says what to look for.
+    with pytest.raises(RankFailure, match="every rank must run the same units in the same order"):
+        run_ranks(_unit_skipped_on_one_rank, 2, timeout_s=3)

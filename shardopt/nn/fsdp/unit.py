@@ -157,9 +157,19 @@ class Unit:
     def _complete_gather(self) -> None:
         if self.gather is None:
             raise AssertionError(f"[rank {self.rank}] unit {self.name!r} is GATHERING without a pending gather")
-        self.gather.wait()
+        self._wait(self.gather, "all-gather")
         self.gather = None
         self._show_full()
+
+    def _wait(self, work: comm.PendingWork, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"[rank {self.rank}] the {what} of FSDP unit {self.name or 'root'!r} did not complete: {exc}. "
+                "The usual cause is ranks running different FSDP units in one step (a unit skipped on some "
+                "ranks by data-dependent control flow): every rank must run the same units in the same order"
+            ) from exc
 
     def _show_full(self) -> None:
         assert self.handle is not None
@@ -242,7 +252,7 @@ class Unit:
 
     def finish_reduce_(self, pending: PendingReduce) -> None:
         """Wait for a reduction and add the reduced shard to the parameters' gradients."""
-        pending.work.wait()
+        self._wait(pending.work, "gradient reduction")
         reduced = pending.reduced
         if pending.rows > 1:  # every rank's copy of this shard, summed in rank order
             rows = reduced.view(pending.rows, -1)
