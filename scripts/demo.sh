@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Set up a virtual environment (CPU torch from the local wheel cache) and run the main job:
-# `shardopt demo` on its built-in defaults (extra arguments are passed through).
+# Set up a virtual environment (CPU torch from the local wheel cache, as scripts/test.sh does)
+# and run `shardopt demo`: the built-in GPT on 2 local CPU ranks with ZeRO-2, printing memory,
+# bytes sent and step time per rank. Extra arguments go to the demo, e.g.
+#   bash scripts/demo.sh --mode zero3 --steps 100 --checkpoint out/demo.pt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e . </dev/null
+# numpy: torch.distributed's object collectives (used by OSS) need it, and torch does not require it.
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 numpy -e . </dev/null
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/shardopt demo "$@"
