@@ -51,7 +51,7 @@ from shardopt.nn.fsdp.state import (
     UnitConfig,
 )
 from shardopt.nn.fsdp.unit import PendingReduce, Unit
-from shardopt.nn.fsdp.wrap import AutoWrapPolicy, claim_params, owner_of, registrations
+from shardopt.nn.fsdp.wrap import AutoWrapPolicy, auto_wrap, claim_params, owner_of, registrations
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -184,7 +184,12 @@ class FullyShardedDataParallel(nn.Module):
                     if buf is not None and buf.is_floating_point():
                         sub._buffers[name] = buf.to(buffer_dtype)
         if auto_wrap_policy is not None:
-            _auto_wrap(module, "", auto_wrap_policy, config, registrations(module), ignored)
+            auto_wrap(
+                module, "", auto_wrap_policy, registrations(module), ignored,
+                is_unit=lambda m: isinstance(m, FullyShardedDataParallel),
+                make_unit=lambda child, name, excluded: FullyShardedDataParallel._nested(
+                    child, name, config, excluded, ignored),
+            )
         self._setup(module, "", config, set(), ignored)
 
     @classmethod
@@ -250,7 +255,8 @@ class FullyShardedDataParallel(nn.Module):
         """
         found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         if root_only:
-            nested = {id(n) for m in found for n in m.modules() if n is not m and isinstance(n, FullyShardedDataParallel)}
+            nested = {id(n) for m in found for n in m.modules()
+                      if n is not m and isinstance(n, FullyShardedDataParallel)}
             found = [m for m in found if id(m) not in nested]
         return found
 
@@ -275,7 +281,19 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module's forward on gathered parameters (Note [hook order])."""
+        """Run the wrapped module's forward on gathered parameters (Note [hook order]).
+
+        Args:
+            *args, **kwargs: the wrapped module's inputs; floating point tensors are cast to
+                the mixed precision ``param_dtype`` when one is set.
+
+        Returns:
+            The wrapped module's output (its tensors carry the pre-backward hook).
+
+        Raises:
+            ValueError: called inside ``summon_full_params``, or a previous backward never
+                reached FSDP's hooks (an output type FSDP cannot look into).
+        """
         root = self._lazy_init()
         if self._training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise ValueError(
@@ -482,7 +500,14 @@ class FullyShardedDataParallel(nn.Module):
                 m._training_state = m._training_state.advance(TrainingState.IDLE, m._unit.rank)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
-        """Apply ``fn`` to every submodule with full parameters (written back to the shards)."""
+        """Apply ``fn`` to every submodule with full parameters (written back to the shards).
+
+        Args:
+            fn: called on every submodule, as ``nn.Module.apply`` does (e.g. weight init).
+
+        Returns:
+            ``self``.
+        """
         if self._training_state is TrainingState.SUMMON_FULL_PARAMS:
             return super().apply(fn)
         with self.summon_full_params(recurse=True, writeback=True):
@@ -491,14 +516,31 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Original parameters with their original names (wrapper levels removed)."""
+        """Original parameters with their original names (wrapper levels removed).
+
+        Between steps each one is a 1-D view of this rank's piece of its unit's flat shard
+        (what an optimizer steps); inside ``summon_full_params`` it has its full shape.
+
+        Args:
+            prefix, recurse, remove_duplicate: as for ``nn.Module.named_parameters``.
+
+        Returns:
+            An iterator of ``(name, parameter)``.
+        """
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
             yield clean_name(name), param
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Buffers with their original names (wrapper levels removed)."""
+        """Buffers with their original names (wrapper levels removed).
+
+        Args:
+            prefix, recurse, remove_duplicate: as for ``nn.Module.named_buffers``.
+
+        Returns:
+            An iterator of ``(name, buffer)``.
+        """
         for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
             yield clean_name(name), buf
 
@@ -598,6 +640,8 @@ class FullyShardedDataParallel(nn.Module):
         """
         self._require_root("sharded_state_dict()")
         units = [m._unit for m in self._units()]
+        for unit in units:
+            unit.reshard_()  # e.g. SHARD_GRAD_OP after a forward whose backward never came
         return sharded_state.sharded_state(units, dict(self.named_parameters()), dict(self.named_buffers()))
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -608,45 +652,54 @@ class FullyShardedDataParallel(nn.Module):
         """
         self._require_root("load_sharded_state_dict()")
         units = [m._unit for m in self._units()]
+        for unit in units:
+            unit.reshard_()
         sharded_state.load_sharded(units, dict(self.named_parameters()), dict(self.named_buffers()), state_dict)
 
     # ------------------------------------------------------------------ optimizer state
     @staticmethod
-    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True) -> dict[str, Any]:
+    def full_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True
+    ) -> dict[str, Any]:
         """Consolidate a sharded optimizer's state into a plain full state dict.
 
-        See :func:`shardopt.nn.fsdp.optim_state.full_optim_state_dict`.
+        Collective over the model's ranks. Each 1-D state piece (``exp_avg``, ...) is
+        all-gathered into its parameter's full shape; scalars are kept; entries are keyed by
+        original parameter name (see :mod:`shardopt.nn.fsdp.optim_state`).
+
+        Args:
+            model: the FSDP-wrapped model (or a module containing FSDP units).
+            optim: the optimizer built on ``model.parameters()``.
+            rank0_only: only global rank 0 gets the result; others get ``{}``.
+
+        Returns:
+            ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``,
+            independent of world size and strategy.
+
+        Raises:
+            ValueError: the optimizer holds a foreign parameter, or ranks hold different keys.
         """
         units = [m._unit for m in FullyShardedDataParallel.fsdp_modules(model)]
-        return optim_state.full_optim_state_dict(units, {clean_name(n): p for n, p in model.named_parameters()}, optim, rank0_only)
+        named = {clean_name(n): p for n, p in model.named_parameters()}
+        return optim_state.full_optim_state_dict(units, named, optim, rank0_only)
 
     @staticmethod
     def shard_full_optim_state_dict(full_osd: dict[str, Any], model: nn.Module,
                                     optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """Cut a full optimizer state dict to this rank's shard (any world size).
+        """Cut a full optimizer state dict to this rank's pieces (any world size or strategy).
 
-        See :func:`shardopt.nn.fsdp.optim_state.shard_full_optim_state_dict`.
+        Args:
+            full_osd: from :meth:`full_optim_state_dict` (every rank passes it).
+            model: this FSDP-wrapped model.
+            optim: the optimizer that will ``load_state_dict`` the result, built on
+                ``model.parameters()`` with the same param groups as the consolidated one.
+
+        Returns:
+            A ``torch.optim`` state dict for ``optim``.
+
+        Raises:
+            ValueError: not a full optimizer state dict, or its groups/names do not match.
         """
         units = [m._unit for m in FullyShardedDataParallel.fsdp_modules(model)]
-        return optim_state.shard_full_optim_state_dict(full_osd, units, {clean_name(n): p for n, p in model.named_parameters()}, optim)
-
-
-def _auto_wrap(module: nn.Module, prefix: str, policy: AutoWrapPolicy, config: UnitConfig,
-               regs: dict[int, list[str]], ignored: set[int]) -> None:
-    """Wrap, bottom-up, every submodule ``policy`` selects (the root is wrapped by the caller).
-
-    Submodules already wrapped by hand are left as they are, so the two ways of nesting
-    combine; ignored modules are not entered; containers without a forward (``ModuleList``,
-    ``ModuleDict``) are never wrapped themselves, only their children.
-    """
-    for child_name, child in list(module.named_children()):
-        if isinstance(child, FullyShardedDataParallel) or id(child) in ignored:
-            continue
-        qual = f"{prefix}{child_name}"
-        _auto_wrap(child, qual + ".", policy, config, regs, ignored)
-        unwrapped = sum(p.numel() for p in child.parameters() if owner_of(p) is None)
-        if not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and policy(child, qual, unwrapped):
-            # Note [shared parameters]: leave parameters also used outside to an enclosing unit.
-            excluded = {pid for pid, users in regs.items()
-                        if any(u != qual and not u.startswith(qual + ".") for u in users)}
-            setattr(module, child_name, FullyShardedDataParallel._nested(child, qual, config, excluded, ignored))
+        named = {clean_name(n): p for n, p in model.named_parameters()}
+        return optim_state.shard_full_optim_state_dict(full_osd, units, named, optim)

@@ -71,7 +71,8 @@ def sharded_state(units: list[Unit], named_params: dict[str, nn.Parameter],
         slot = unit.handle.layout.slots[[id(p) for p in unit.handle.params].index(id(param))]
         shards = []
         if slot.piece_numel:
-            meta = ShardMetadata([slot.piece_begin], [slot.piece_numel], f"rank:{unit.config.shard_rank}/{param.device}")
+            placement = f"rank:{unit.config.shard_rank}/{param.device}"
+            meta = ShardMetadata([slot.piece_begin], [slot.piece_numel], placement)
             shards.append(Shard(param.detach().reshape(-1), meta))
         out[name] = init_from_local_shards(shards, slot.numel, process_group=unit.config.shard_group)
     for name, buf in named_buffers.items():

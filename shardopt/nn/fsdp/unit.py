@@ -244,7 +244,9 @@ class Unit:
             shard = handle.layout.shard_numel
             recv = torch.empty_like(send)
             splits = [shard] * self.config.shard_size
-            work = comm.all_to_all(recv, send, splits, splits, self.config.shard_group, label=self._label("reduce_scatter"))
+            work = comm.all_to_all(
+                recv, send, splits, splits, self.config.shard_group, label=self._label("reduce_scatter")
+            )
             return PendingReduce(self, work, recv, trainable, rows=self.config.shard_size)
         out = torch.empty(handle.layout.shard_numel, dtype=reduce_dtype, device=handle.device)
         work = comm.reduce_scatter(out, send, self.config.shard_group, label=self._label("reduce_scatter"))
@@ -263,7 +265,8 @@ class Unit:
             comm.all_reduce(reduced, self.config.replicate_group, label=self._label("all_reduce")).wait()
         assert self.handle is not None
         keep_low = self.config.mixed_precision.keep_low_precision_grads
-        grads = reduced if keep_low or reduced.dtype == self.handle.master_dtype else reduced.to(self.handle.master_dtype)
+        master = self.handle.master_dtype
+        grads = reduced if keep_low or reduced.dtype == master else reduced.to(master)
         for p, slot in pending.trainable:
             piece = grads[slot.shard_begin : slot.shard_begin + slot.piece_numel]
             if p.grad is None:

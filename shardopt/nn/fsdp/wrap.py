@@ -31,6 +31,7 @@ __all__ = [
     "ModuleClassPolicy",
     "NameGlobPolicy",
     "SizePolicy",
+    "auto_wrap",
     "claim_params",
     "registrations",
 ]
@@ -161,7 +162,8 @@ def claim_params(
             if owner is not None:
                 if not any(owner is u for u in inside):
                     raise ValueError(
-                        f"parameter {full!r} is owned by FullyShardedDataParallel unit {getattr(owner, 'name', owner)!r} but is also "
+                        f"parameter {full!r} is owned by FullyShardedDataParallel unit "
+                        f"{getattr(owner, 'name', owner)!r} but is also "
                         f"used by module {mod_name or type(module).__name__!r} outside that unit; wrap every module "
                         "that uses a shared parameter in one unit, or wrap with auto_wrap_policy, which puts shared "
                         "parameters in the lowest unit enclosing all their users"
@@ -174,3 +176,40 @@ def claim_params(
     for param in claimed:
         _set_owner(param, owner_unit)
     return claimed
+
+
+def auto_wrap(
+    module: nn.Module,
+    prefix: str,
+    policy: AutoWrapPolicy,
+    regs: dict[int, list[str]],
+    ignored: set[int],
+    is_unit: Callable[[nn.Module], bool],
+    make_unit: Callable[[nn.Module, str, set[int]], nn.Module],
+) -> None:
+    """Wrap, bottom-up, every submodule ``policy`` selects (the root is wrapped by the caller).
+
+    Submodules already wrapped by hand are left as they are, so the two ways of nesting
+    combine; ignored modules are not entered; containers without a forward (``ModuleList``,
+    ``ModuleDict``) are never wrapped themselves, only their children.
+
+    Args:
+        module: the module whose children to consider.
+        prefix: ``module``'s qualified name plus ``"."`` (``""`` at the top).
+        policy: decides which submodules become units.
+        regs: :func:`registrations` of the top module, computed before any wrapping.
+        ignored: ids of modules FSDP must not manage.
+        is_unit: tells an FSDP wrapper from a plain module.
+        make_unit: ``make_unit(child, qualified_name, excluded_param_ids)`` wraps ``child``.
+    """
+    for child_name, child in list(module.named_children()):
+        if is_unit(child) or id(child) in ignored:
+            continue
+        qual = f"{prefix}{child_name}"
+        auto_wrap(child, qual + ".", policy, regs, ignored, is_unit, make_unit)
+        unwrapped = sum(p.numel() for p in child.parameters() if owner_of(p) is None)
+        if not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and policy(child, qual, unwrapped):
+            # Note [shared parameters]: leave parameters also used outside to an enclosing unit.
+            excluded = {pid for pid, users in regs.items()
+                        if any(u != qual and not u.startswith(qual + ".") for u in users)}
+            setattr(module, child_name, make_unit(child, qual, excluded))
