@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from shardopt import comm
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
@@ -27,12 +28,16 @@ _MAX_BUCKETS_IN_FLIGHT = 2
 # After a reduction the owner's ``.grad`` holds the *averaged* gradient. A later backward
 # (gradient accumulation without no_sync) would add this rank's *local* gradient on top,
 # and reducing that sum would count the earlier average N times. So just before autograd
-# accumulates into a parameter (a tensor pre-hook), a ``.grad`` that is still exactly the
-# tensor we wrote (same object, same version counter) is moved aside; autograd then
-# accumulates only local gradients, the bucket sends only those, and the owner adds the
-# new reduced gradient to what it set aside. A ``.grad`` the user zeroed in place has a new
-# version and is left alone (adding local gradients to zeros is exact); one set to None has
-# nothing to set aside. Hence any zero_grad, on any object, at any time, is safe.
+# accumulates into a parameter, a ``.grad`` that is still exactly the tensor we wrote (same
+# object, same version counter) is moved aside; autograd then accumulates only local
+# gradients, the bucket sends only those, and the owner adds the new reduced gradient to
+# what it set aside. A ``.grad`` the user zeroed in place has a new version and is left
+# alone (adding local gradients to zeros is exact); one set to None has nothing to set
+# aside. Hence any zero_grad, on any object, at any time, is safe.
+# The set-aside runs as a pre-hook of the parameter's AccumulateGrad node, which runs only
+# when a gradient is really accumulated. A tensor hook (``param.register_hook``) would also
+# fire for ``torch.autograd.grad(loss, params)``, which never touches ``.grad``: the owner's
+# reduced gradient would vanish into the set-aside table and the step would skip it.
 
 
 class ShardedDataParallel(nn.Module):
@@ -112,6 +117,7 @@ class ShardedDataParallel(nn.Module):
             self._wire_dtypes[torch.float32] = reduce_dtype or torch.float16
         self._should_sync = True
         self._hook_handles: list[Any] = []
+        self._accumulators: list[Any] = []
         self._buckets: list[GradBucket] = []
         self._bucket_of: dict[nn.Parameter, GradBucket] = {}
         self._next_launch = 0
@@ -156,8 +162,10 @@ class ShardedDataParallel(nn.Module):
                              self.reduce_buffer_size, self._wire_dtypes)
         self._buckets = [GradBucket(spec, self.rank, 1.0 / self.world_size) for spec in specs]
         self._bucket_of = {p: b for b in self._buckets for p in b.spec.params}
-        for p in trainable:
-            self._hook_handles.append(p.register_hook(self._make_pre_hook(p)))
+        # The engine holds AccumulateGrad nodes weakly: keep them, or the hooks die with them.
+        self._accumulators = [get_gradient_edge(p).node for p in trainable]
+        for p, accumulator in zip(trainable, self._accumulators):
+            self._hook_handles.append(accumulator.register_prehook(self._make_pre_hook(p)))
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
         self._trainable_sig = self._trainable_signature()
         self._reset_iteration()
@@ -225,7 +233,7 @@ class ShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ hooks
 
     def _make_pre_hook(self, param: nn.Parameter) -> Any:
-        def set_aside_reduced_grad(grad: torch.Tensor) -> None:
+        def set_aside_reduced_grad(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
             # See Note [owner's gradient across backward passes].
             written = self._written.get(param)
             if written is None or param.grad is None:
