@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardopt.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP
+from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import MixedPrecision, ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
 from tests.common import rank_batch, seeded_mlp
@@ -159,18 +159,6 @@ def test_user_mistakes_raise_errors_that_say_what_to_do() -> None:
             assert fragment in messages[key], (key, messages[key])
     # pieces differ on at least one rank (which one depends on where the offsets fall)
     assert any("use this model's own sharded_state_dict()" in m["sharded_layout"] for m in results), results
-
-
-def _hybrid_sharded(rank: int, world_size: int) -> str:
-    pair = (dist.new_group([0]), dist.new_group([0]))
-    model = FSDP(seeded_mlp(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=pair,
-                 backward_prefetch=BackwardPrefetch.BACKWARD_POST)
-    model(rank_batch(rank, 0)).sum().backward()
-    return _message(model.sharded_state_dict, ValueError)
-
-
-def test_sharded_state_dict_of_hybrid_shard_says_to_use_the_full_one() -> None:
-    assert "use state_dict() (full)" in run_ranks(_hybrid_sharded, 1)[0]
 
 
 def test_fsdp_without_a_process_group_says_how_to_start_one() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -93,7 +95,7 @@ def test_buffer_dtype_casts_buffers() -> None:
     assert run_ranks(_buffers, 1) == ["torch.bfloat16 torch.bfloat16"]
 
 
-def _hybrid(rank: int, world_size: int) -> dict[str, float]:
+def _hybrid(rank: int, world_size: int, folder: str) -> dict[str, float]:
     # Ranks {0,1} and {2,3} each hold a full copy, sharded in two; {0,2} and {1,3} replicate.
     shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -125,11 +127,23 @@ def _hybrid(rank: int, world_size: int) -> dict[str, float]:
         # every parameter piece is a quarter-ish of the model: sharded in two, not four
         local = sum(p.numel() for p in model.parameters())
         out[f"{how}/fraction"] = local / sum(p.numel() for p in ref.parameters())
+    # the last model's sharded checkpoint (dcp keeps one copy of the replicated pieces) loads
+    # into a HYBRID_SHARD and a FULL_SHARD model of another init
+    full = model.state_dict()
+    dcp.save(model.sharded_state_dict(), checkpoint_id=folder)
+    for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.FULL_SHARD):
+        kwargs = {"device_mesh": mesh} if strategy is ShardingStrategy.HYBRID_SHARD else {}
+        fresh = FSDP(gpt(seed=1), sharding_strategy=strategy, **kwargs)
+        target = fresh.sharded_state_dict()
+        dcp.load(target, checkpoint_id=folder)
+        fresh.load_sharded_state_dict(target)
+        out[f"sharded_load/{strategy.name}"] = max_abs_diff(fresh.state_dict().values(), full.values())
     return out
 
 
-def test_hybrid_shard_on_four_ranks_matches_ddp_within_1e6() -> None:
-    for out in run_ranks(_hybrid, 4, timeout_s=120):
+def test_hybrid_shard_on_four_ranks_matches_ddp_within_1e6(tmp_path: Path) -> None:
+    for out in run_ranks(_hybrid, 4, str(tmp_path / "hybrid"), timeout_s=120):
+        assert out["sharded_load/HYBRID_SHARD"] == out["sharded_load/FULL_SHARD"] == 0.0, out
         assert max(v for k, v in out.items() if not k.endswith("fraction")) <= 1e-6, out
         assert 0.45 < out["groups/fraction"] < 0.6 and 0.45 < out["mesh/fraction"] < 0.6, out
 

@@ -636,7 +636,7 @@ class FullyShardedDataParallel(nn.Module):
             ``{original name: ShardedTensor | Tensor}``; sharded entries view the live shards.
 
         Raises:
-            ValueError: called on a nested unit, or a HYBRID_SHARD model.
+            ValueError: called on a nested unit.
         """
         self._require_root("sharded_state_dict()")
         units = [m._unit for m in self._units()]

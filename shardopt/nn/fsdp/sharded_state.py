@@ -10,7 +10,9 @@ every rank writing only its pieces. To load at another world size (or with anoth
 wrapping), build the *new* model's sharded state dict, let ``dcp.load`` fill it in place
 (it reads whichever saved ranges overlap each new piece), then
 :meth:`load_sharded_state_dict`. Parameters that are not sharded (NO_SHARD, or outside any
-unit) and buffers are plain tensors that ``dcp`` deduplicates.
+unit) and buffers are plain tensors that ``dcp`` deduplicates. Under HYBRID_SHARD each
+replica group describes the same pieces (placed on its own global ranks) and ``dcp``
+keeps one copy of each.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
 
-from shardopt.nn.fsdp.state import ShardingStrategy
+from shardopt import comm
+from shardopt.nn.fsdp.flat_param import ParamSlot
 from shardopt.nn.fsdp.unit import Unit
 
 __all__ = ["load_sharded", "sharded_state"]
@@ -32,13 +35,10 @@ def _locate(units: list[Unit]) -> dict[int, Unit]:
     return {id(p): u for u in units if u.handle is not None for p in u.handle.params}
 
 
-def _check(units: list[Unit]) -> None:
-    for unit in units:
-        if unit.config.strategy is ShardingStrategy.HYBRID_SHARD:
-            raise ValueError(
-                "sharded_state_dict() does not support HYBRID_SHARD (its pieces repeat across replica groups); "
-                "use state_dict() (full) for HYBRID_SHARD models"
-            )
+def _slots(units: list[Unit]) -> dict[int, ParamSlot]:
+    return {
+        id(p): slot for u in units if u.handle is not None for p, slot in zip(u.handle.params, u.handle.layout.slots)
+    }
 
 
 def sharded_state(units: list[Unit], named_params: dict[str, nn.Parameter],
@@ -52,12 +52,8 @@ def sharded_state(units: list[Unit], named_params: dict[str, nn.Parameter],
 
     Returns:
         ``{name: ShardedTensor | Tensor}``; the sharded entries view the live shards.
-
-    Raises:
-        ValueError: a HYBRID_SHARD unit.
     """
-    _check(units)
-    where = _locate(units)
+    where, slots = _locate(units), _slots(units)
     out: dict[str, Any] = OrderedDict()
     for name, param in named_params.items():
         unit = where.get(id(param))
@@ -68,10 +64,10 @@ def sharded_state(units: list[Unit], named_params: dict[str, nn.Parameter],
             else:
                 out[name] = param.detach()
             continue
-        slot = unit.handle.layout.slots[[id(p) for p in unit.handle.params].index(id(param))]
+        slot = slots[id(param)]
         shards = []
         if slot.piece_numel:
-            placement = f"rank:{unit.config.shard_rank}/{param.device}"
+            placement = f"rank:{comm.group_rank(None)}/{param.device}"  # a global rank
             meta = ShardMetadata([slot.piece_begin], [slot.piece_numel], placement)
             shards.append(Shard(param.detach().reshape(-1), meta))
         out[name] = init_from_local_shards(shards, slot.numel, process_group=unit.config.shard_group)
@@ -108,7 +104,6 @@ def load_sharded(units: list[Unit], named_params: dict[str, nn.Parameter],
     Raises:
         ValueError: names missing, or a sharded entry whose pieces do not match this rank's.
     """
-    _check(units)
     missing = [n for n in list(named_params) + list(named_buffers) if n not in state]
     if missing:
         raise ValueError(
