@@ -124,6 +124,12 @@ def _hybrid(rank: int, world_size: int, folder: str) -> dict[str, float]:
         plain = ref.module.state_dict()
         scale = max(v.abs().max().item() for v in plain.values())
         out[how] = max_abs_diff(model.state_dict().values(), plain.values()) / scale
+        # consolidated momentum buffers equal DDP's (gathered within the shard group only)
+        osd, names = FSDP.full_optim_state_dict(model, opt, rank0_only=False), [n for n, _ in ref.module.named_parameters()]
+        ref_state = opt_ref.state_dict()["state"]
+        momentum_scale = max(v["momentum_buffer"].abs().max().item() for v in ref_state.values())
+        out[f"{how}/optim"] = max(max_abs_diff([osd["state"][names[i]]["momentum_buffer"]], [st["momentum_buffer"]])
+                                  for i, st in ref_state.items()) / momentum_scale
         # every parameter piece is a quarter-ish of the model: sharded in two, not four
         local = sum(p.numel() for p in model.parameters())
         out[f"{how}/fraction"] = local / sum(p.numel() for p in ref.parameters())

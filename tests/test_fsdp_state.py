@@ -55,6 +55,13 @@ def _save(rank: int, world_size: int, folder: str) -> tuple[bytes, bytes, float]
     names = [n for n, _ in ref.module.named_parameters()]
     ref_state = opt_ref.state_dict()["state"]
     diff = max(max_abs_diff([osd["state"][names[i]][k]], [v]) for i, st in ref_state.items() for k, v in st.items())
+    for strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):  # the same for the others
+        other = FSDP(gpt(), auto_wrap_policy=BLOCKS, sharding_strategy=strategy)
+        other_opt = torch.optim.Adam(other.parameters(), lr=1e-2, eps=1e-3)
+        _train(other, other_opt, rank, range(3))
+        other_osd = FSDP.full_optim_state_dict(other, other_opt, rank0_only=False)
+        diff = max(diff, max(max_abs_diff([other_osd["state"][names[i]][k]], [v])
+                             for i, st in ref_state.items() for k, v in st.items()))
     dcp.save(model.sharded_state_dict(), checkpoint_id=folder)
     rank0_only = model.state_dict(rank0_only=True)
     assert (len(rank0_only) > 0) == (rank == 0)
