@@ -53,6 +53,13 @@ def lm_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, 11), tokens[:, 1:].reshape(-1))
 
 
+def penalised(model: nn.Module, params: list[nn.Parameter], rank: int, step: int) -> torch.Tensor:
+    """The LM loss plus the squared norm of its parameter gradient (a second-order term)."""
+    loss = lm_loss(model, rank, step)
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    return loss + 0.1 * sum(g.pow(2).sum() for g in grads)
+
+
 def reference_backward(model: nn.Module, world_size: int, loss_of: LossOf) -> None:
     """One data-parallel backward in one process: each rank's gradient times 1/N, summed in
     rank order, added to ``.grad`` (a parameter no rank used keeps its ``.grad``)."""
@@ -76,7 +83,8 @@ def _usage(rank: int, world_size: int) -> dict[str, float]:
     """Several forwards/backwards per step against a single-process reference doing the same."""
     results: dict[str, float] = {}
     patterns = ("tied_and_reused", "two_forwards_one_backward", "retain_graph_twice",
-                "autograd_grad_after_backward", "zero_grad_between_forward_and_backward", "step_twice")
+                "autograd_grad_after_backward", "zero_grad_between_forward_and_backward", "step_twice",
+                "gradient_penalty_on_params")
     for pattern in patterns:
         for cap in (0, 50, 2**23):
             ref, sharded = TiedLM(), TiedLM()
@@ -95,6 +103,9 @@ def _usage(rank: int, world_size: int) -> dict[str, float]:
                     loss.backward()
                     for _ in range(2):
                         reference_backward(ref, world_size, lambda m, r, s=step: lm_loss(m, r, s))
+                elif pattern == "gradient_penalty_on_params":
+                    penalised(sdp, list(sharded.parameters()), rank, step).backward()
+                    reference_backward(ref, world_size, lambda m, r, s=step: penalised(m, list(m.parameters()), r, s))
                 elif pattern == "zero_grad_between_forward_and_backward":
                     loss = lm_loss(sdp, rank, step)
                     sdp.zero_grad(set_to_none=step % 2 == 1)
@@ -122,3 +133,48 @@ def test_tied_reused_and_repeated_backward_patterns_match_reference(world_size: 
     for key in results[0]:
         worst = max(r[key] for r in results)
         assert worst <= tolerance(world_size), (key, worst)
+
+
+# ---------------------------------------------------------------------- refused inputs
+
+
+class FunctionalSparse(nn.Module):
+    """A sparse gradient from a functional call, invisible to a scan of the submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(11, 4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.table, sparse=True)
+
+
+def _refusals(rank: int, world_size: int) -> list[str]:
+    """Each case must raise the same clear error on every rank (so none is left waiting)."""
+    messages = []
+    tokens = torch.arange(6).view(2, 3)
+    sparse = TiedLM(sparse=True)
+    with pytest.raises(TypeError) as info:
+        ShardedDataParallel(sparse, OSS(sparse.parameters(), lr=0.1))
+    messages.append(str(info.value))
+    functional = FunctionalSparse()
+    sdp = ShardedDataParallel(functional, OSS(functional.parameters(), lr=0.1))
+    with pytest.raises(TypeError) as info:
+        sdp(tokens).sum().backward()
+    messages.append(str(info.value))
+    model = seeded_mlp()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's reference-cycle warning for create_graph
+        with pytest.raises(ValueError) as info:
+            sdp(rank_batch(rank, 0)).pow(2).mean().backward(create_graph=True)
+    messages.append(str(info.value))
+    return messages
+
+
+def test_sparse_gradients_and_create_graph_are_refused_by_name_on_every_rank() -> None:
+    expected = ["module 'emb' (Embedding) has sparse=True", "parameter 'table' got a torch.sparse_coo gradient",
+                "backward(create_graph=True) reached parameter"]
+    for messages in run_ranks(_refusals, 2, timeout_s=20):
+        for fragment, message in zip(expected, messages, strict=True):
+            assert fragment in message, (fragment, message)

@@ -65,7 +65,8 @@ class ShardedDataParallel(nn.Module):
             overrides ``reduce_fp16``.
 
     Raises:
-        TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS.
+        TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS, or a trainable
+            embedding produces sparse gradients (``sparse=True``).
         ValueError: parameters span device types, optimizers overlap or do not cover the
             module's trainable parameters, a negative ``reduce_buffer_size``, or a
             ``reduce_dtype`` that is not a floating dtype.
@@ -152,6 +153,7 @@ class ShardedDataParallel(nn.Module):
         self._remove_hooks()
         owners = self._owners()
         trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self._check_dense_gradients()
         missing = [tuple(p.shape) for p in trainable if p not in owners]
         if missing:
             raise ValueError(
@@ -169,6 +171,16 @@ class ShardedDataParallel(nn.Module):
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
         self._trainable_sig = self._trainable_signature()
         self._reset_iteration()
+
+    def _check_dense_gradients(self) -> None:
+        """Refuse modules that produce sparse gradients for trainable parameters."""
+        for name, sub in self.module.named_modules():
+            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+                raise TypeError(
+                    f"module {name or type(sub).__name__!r} ({type(sub).__name__}) has sparse=True: "
+                    "ShardedDataParallel reduces dense gradients only; build it with sparse=False "
+                    "(and a dense optimizer such as torch.optim.Adam instead of SparseAdam)"
+                )
 
     def _remove_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -249,6 +261,7 @@ class ShardedDataParallel(nn.Module):
 
     def _post_accumulate(self, param: torch.Tensor) -> None:
         assert isinstance(param, nn.Parameter)
+        self._check_accumulated(param)
         if not self._should_sync:
             self._local_pending.add(param)
             return
@@ -261,6 +274,26 @@ class ShardedDataParallel(nn.Module):
         param.grad = None
         self._local_pending.discard(param)
         self._launch_ready()
+
+    def _name_of(self, param: nn.Parameter) -> str:
+        return next((n for n, p in self.module.named_parameters() if p is param), "<not in module>")
+
+    def _check_accumulated(self, param: nn.Parameter) -> None:
+        """Raise on gradients the buckets cannot reduce (same program: same error on every rank)."""
+        if torch.is_grad_enabled():  # the engine enables grad mode only for create_graph=True
+            raise ValueError(
+                f"backward(create_graph=True) reached parameter {self._name_of(param)!r}: "
+                "ShardedDataParallel cannot reduce a gradient that carries a graph (the reduction is "
+                "not differentiable). For a gradient penalty take torch.autograd.grad(loss, inputs, "
+                "create_graph=True), add the penalty to the loss and call backward() without create_graph"
+            )
+        grad = param.grad
+        if grad is not None and grad.layout != torch.strided:
+            raise TypeError(
+                f"parameter {self._name_of(param)!r} got a {grad.layout} gradient: ShardedDataParallel "
+                "reduces dense gradients only; make the operation producing it dense "
+                "(e.g. nn.Embedding(sparse=False), F.embedding(..., sparse=False))"
+            )
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].complete:
