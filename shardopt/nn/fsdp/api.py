@@ -22,6 +22,13 @@ Note [hook order]
   all reductions, write sharded gradients, reshard everything.
 Units whose post-backward fires in a hook do so in backward order, which is the same on
 every rank, and the rest follow in a fixed order, so collectives match across ranks.
+
+Why not a post-accumulate-grad hook per parameter (the house default): its firing depends
+on which parameters this rank used, so a parameter unused on one rank only would make that
+rank skip or delay the unit's reduce-scatter while the others issue it (a mismatched
+collective). The input hook fires when the unit's backward is done whatever was used, and
+missing gradients are reduced as zeros. AccumulateGrad nodes run before other ready nodes,
+so every gradient of the unit has landed when it fires.
 """
 
 from __future__ import annotations
