@@ -34,7 +34,6 @@ so every gradient of the unit has landed when it fires.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 from collections import OrderedDict, deque
@@ -48,6 +47,7 @@ from torch.utils import _pytree as pytree
 from shardopt import comm
 from shardopt.nn.fsdp import grad_norm, optim_state, sharded_state
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
+from shardopt.nn.fsdp.hooks import PostBackward, tensors_in
 from shardopt.nn.fsdp.init import make_config, materialize
 from shardopt.nn.fsdp.state import (
     BackwardPrefetch,
@@ -71,35 +71,6 @@ _MAX_REDUCES_IN_FLIGHT = 2
 def clean_name(name: str) -> str:
     """A parameter/buffer name without the wrapper levels FSDP inserted."""
     return name.replace(_WRAPPED + ".", "")
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside ``obj``: containers, dicts, named tuples and dataclass outputs."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors_in(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors_in(value)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _tensors_in(getattr(obj, f.name))
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a forward's inputs whose backward runs the unit's post-backward."""
-
-    @staticmethod
-    def forward(ctx: Any, owner: FullyShardedDataParallel, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.owner = owner
-        return tensors if len(tensors) != 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.owner._post_backward()
-        return (None,) + grads
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -351,7 +322,7 @@ class FullyShardedDataParallel(nn.Module):
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
-        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        outs = PostBackward.apply(self._post_backward, *[flat[i] for i in idx])
         outs = (outs,) if len(idx) == 1 else outs
         for i, t in zip(idx, outs):
             flat[i] = t
@@ -371,7 +342,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._config.reshard_after_forward and not self._is_root:
             self._unit.reshard_()
         hook = functools.partial(FullyShardedDataParallel._pre_backward, self)
-        for t in _tensors_in(out):
+        for t in tensors_in(out):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 # Owned by the output tensor: it fires at most once per backward through
                 # it and dies with it, so no handle is kept (a forward without backward
