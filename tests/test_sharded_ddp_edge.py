@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
 
@@ -178,3 +179,101 @@ def test_sparse_gradients_and_create_graph_are_refused_by_name_on_every_rank() -
     for messages in run_ranks(_refusals, 2, timeout_s=20):
         for fragment, message in zip(expected, messages, strict=True):
             assert fragment in message, (fragment, message)
+
+
+# ---------------------------------------------------------------------- accumulation
+
+
+def reference_accumulate(model: nn.Module, world_size: int, micro_losses: list[LossOf]) -> None:
+    """Each rank sums its micro-batch gradients (in order, as autograd does), then the sums
+    are averaged once: what ``no_sync`` accumulation computes."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total: list[torch.Tensor | None] = [None] * len(params)
+    for r in range(world_size):
+        local: list[torch.Tensor | None] = [None] * len(params)
+        for loss_of in micro_losses:
+            grads = torch.autograd.grad(loss_of(model, r), params, allow_unused=True)
+            local = [a if g is None else g if a is None else a + g for a, g in zip(local, grads)]
+        for i, g in enumerate(local):
+            if g is not None:
+                scaled = g * (1.0 / world_size)
+                total[i] = scaled if total[i] is None else total[i] + scaled  # type: ignore[operator]
+    for p, g in zip(params, total):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+
+
+def _no_sync_patterns(rank: int, world_size: int) -> dict[str, float]:
+    """Three micro-batches under no_sync (nested on the second), a final one outside; ``b`` is
+    used only inside no_sync. Optionally ``a`` is frozen after the first micro-batch."""
+    results: dict[str, float] = {}
+    for pattern in ("used_only_inside_no_sync", "freeze_inside_no_sync"):
+        ref, ddp_model, sharded = Branchy(), Branchy(), Branchy()
+        ddp = DDP(ddp_model, find_unused_parameters=True)
+        ddp_opt = torch.optim.Adam(ddp_model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        opt = OSS(sharded.parameters(), optim=torch.optim.Adam, lr=1e-2)
+        sdp = ShardedDataParallel(sharded, opt, reduce_buffer_size=40)
+        for step in range(4):
+            freeze = pattern == "freeze_inside_no_sync" and step == 2
+            for m, o in ((sdp, opt), (ddp, ddp_opt)):
+                o.zero_grad(set_to_none=step % 2 == 0)
+                if freeze and m is ddp:
+                    continue  # DDP does not support freezing after construction
+                for micro in range(4):
+                    use_b = micro < 3
+                    loss = lambda: m(rank_batch(rank, 10 * step + micro), use_b).pow(2).mean()  # noqa: E731
+                    if micro == 3:
+                        loss().backward()
+                    elif micro == 1:
+                        with m.no_sync(), m.no_sync():
+                            loss().backward()
+                    else:
+                        with m.no_sync():
+                            loss().backward()
+                    if freeze and micro == 0:
+                        sharded.a.weight.requires_grad_(False)
+                o.step()
+            ref_opt.zero_grad()
+            micro_losses: list[LossOf] = []
+            for micro in range(4):
+                micro_losses.append(lambda mdl, r, s=step, k=micro: mdl(rank_batch(r, 10 * s + k), k < 3).pow(2).mean())
+            reference_accumulate(ref, world_size, micro_losses)
+            if freeze:  # shardopt's rule: a frozen parameter is not stepped, even with a stale grad
+                ref.a.weight.grad = None
+                ref.a.weight.requires_grad_(False)
+            ref_opt.step()
+        results[f"{pattern}/vs_reference"] = rel_diff(sharded, ref)
+        if pattern == "used_only_inside_no_sync":
+            results[f"{pattern}/vs_ddp_find_unused"] = rel_diff(sharded, ddp_model)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_sync_nested_params_used_only_inside_it_and_freezing_mid_accumulation(world_size: int) -> None:
+    results = run_ranks(_no_sync_patterns, world_size, timeout_s=60)
+    print(f"\nworld_size={world_size}: {results[0]}")
+    for key in results[0]:
+        assert max(r[key] for r in results) <= tolerance(world_size), (key, results)
+
+
+def _reduce_on_one_rank(rank: int, world_size: int) -> str:
+    # A group with a 1 s timeout: what a user's process-group timeout does, without waiting long.
+    group = torch.distributed.new_group(list(range(world_size)), timeout=timedelta(seconds=1))
+    model = seeded_mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, group=group)
+    sdp = ShardedDataParallel(model, opt)
+    with sdp.no_sync():
+        sdp(rank_batch(rank, 0)).sum().backward()
+    try:
+        if rank == 0:
+            sdp.reduce()  # rank 1 forgot to: rank 0's reduction meets rank 1's parameter gather
+        opt.step()
+    except RuntimeError as error:
+        return str(error)
+    return "completed"
+
+
+def test_reduce_called_on_one_rank_only_ends_in_the_group_timeout_error_on_every_rank() -> None:
+    for message in run_ranks(_reduce_on_one_rank, 2, timeout_s=20):
+        assert "Timed out" in message, message
