@@ -201,13 +201,13 @@ def plot(results: list[ModeResult], path: str, title: str) -> None:
     panels = (("heap after step (MiB, worst rank)", "heap_after_step", 2.0**-20),
               ("sent per step (MiB, worst rank)", "bytes_per_step", 2.0**-20),
               ("median step (ms)", "median_step_s", 1000.0))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
     names = [r.mode for r in results]
     for ax, (label, key, scale) in zip(axes, panels):
         values = [(r.worst(key) or 0.0) * scale for r in results]
         ax.bar(names, values, color=["#888888" if MODES[n].peer else "#2a7ab9" for n in names])
         ax.set_title(label)
-        ax.tick_params(axis="x", rotation=45)
+        plt.setp(ax.get_xticklabels(), rotation=40, ha="right")
     fig.suptitle(f"shardopt bench: {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -106,11 +106,14 @@ def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any
                       f"{job.steps} steps")
         columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("loss {task.fields[loss]}"),
                    TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=False) as progress:
+        # No refresh thread: the bar is drawn in on_step only, outside the measured window, so
+        # rank 0's terminal writes never count as bytes sent (wchar counts every write).
+        with Progress(*columns, console=console, transient=False, auto_refresh=False) as progress:
             task = progress.add_task("train", total=job.steps, loss="-", tps="-")
 
             def on_step(info: runner.StepInfo) -> None:
-                progress.update(task, completed=info.step, loss=f"{info.loss:.4f}", tps=f"{info.tokens_per_s:,.0f}")
+                progress.update(task, completed=info.step, loss=f"{info.loss:.4f}", tps=f"{info.tokens_per_s:,.0f}",
+                                refresh=True)
 
             reports = runner.train(job, on_step)
         console.print(demo_table(job, reports))
