@@ -10,18 +10,21 @@ a failure."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from datetime import timedelta
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardopt import comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import RankFailure, run_ranks
@@ -277,3 +280,148 @@ def _reduce_on_one_rank(rank: int, world_size: int) -> str:
 def test_reduce_called_on_one_rank_only_ends_in_the_group_timeout_error_on_every_rank() -> None:
     for message in run_ranks(_reduce_on_one_rank, 2, timeout_s=20):
         assert "Timed out" in message, message
+
+
+# ---------------------------------------------------------------------- world sizes, buckets, dtypes, groups
+
+
+def _steps_vs_ddp(sharded: nn.Module, ddp_model: nn.Module, sdp: ShardedDataParallel, opt: OSS,
+                  ddp: nn.Module, ddp_opt: torch.optim.Optimizer, rank: int, steps: int = 5) -> float:
+    features = next(sharded.parameters()).shape[-1]
+    for step in range(steps):
+        x = rank_batch(rank, step, features=features)
+        for m, o in ((sdp, opt), (ddp, ddp_opt)):
+            o.zero_grad(set_to_none=step % 2 == 0)
+            m(x).pow(2).mean().backward()
+            o.step()
+    return rel_diff(sharded, ddp_model)
+
+
+_COLLECTIVES = ("all_to_all_single", "all_reduce", "broadcast", "barrier", "all_gather_object",
+                "broadcast_object_list", "send_object_list", "recv_object_list", "all_gather_into_tensor",
+                "reduce_scatter_tensor", "all_gather", "reduce", "send", "recv", "gather", "scatter")
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[list[str]]:
+    """Record the name of every torch.distributed collective called inside the block (comm.py's
+    aliases of renamed collectives included)."""
+    calls: list[str] = []
+    targets = [(dist, name) for name in _COLLECTIVES]
+    targets += [(comm, name) for name in ("_all_gather_single", "_reduce_scatter_single")]
+    saved = {(module, name): getattr(module, name) for module, name in targets}
+
+    def recorder(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for (module, name), fn in saved.items():
+        setattr(module, name, recorder(name, fn))
+    try:
+        yield calls
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
+
+
+def _degenerate(rank: int, world_size: int) -> dict[str, Any]:
+    """Fewer parameters than ranks (some ranks own nothing); at one rank, no collective at all."""
+    results: dict[str, Any] = {}
+    for name, make in (("one_param", lambda: nn.Linear(3, 2, bias=False)), ("two_params", lambda: nn.Linear(3, 2))):
+        for cls, kwargs in ((torch.optim.Adam, {"lr": 1e-2}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
+            torch.manual_seed(0)
+            sharded = make()
+            torch.manual_seed(0)
+            ddp_model = make()
+            with count_collectives() as collectives:
+                opt = OSS(sharded.parameters(), optim=cls, **kwargs)
+                sdp = ShardedDataParallel(sharded, opt, reduce_buffer_size=1)
+                x = rank_batch(rank, 0, features=3)
+                opt.zero_grad()
+                sdp(x).pow(2).mean().backward()
+                opt.step()
+            ddp = DDP(ddp_model)
+            ddp_opt = cls(ddp_model.parameters(), **kwargs)
+            ddp_opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            ddp_opt.step()
+            key = f"{name}/{cls.__name__}"
+            results[key] = _steps_vs_ddp(sharded, ddp_model, sdp, opt, ddp, ddp_opt, rank)
+            results[key + "/owned"] = sum(opt.owns(i) for i in range(len(opt.params)))
+            results[key + "/collectives"] = sorted(set(collectives))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_one_rank_sends_nothing_and_ranks_owning_nothing_still_match_ddp(world_size: int) -> None:
+    results = run_ranks(_degenerate, world_size, timeout_s=60)
+    for key in results[0]:
+        if key.endswith("/owned") or key.endswith("/collectives"):
+            continue
+        print(f"world_size={world_size} {key}: {max(r[key] for r in results):.3e} "
+              f"owned per rank {[r[key + '/owned'] for r in results]}")
+        assert max(r[key] for r in results) <= tolerance(world_size), (key, results)
+        assert min(r[key + "/owned"] for r in results) == 0 or world_size == 1
+        # the probe sees collectives where there are some, and none at one rank
+        assert (results[0][key + "/collectives"] == []) == (world_size == 1), results[0][key + "/collectives"]
+
+
+class MixedDtype(nn.Module):
+    """fp32 and bf16 layers interleaved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(8, 16)
+        self.l2 = nn.Linear(16, 16).to(torch.bfloat16)
+        self.l3 = nn.Linear(16, 8)
+        self.l4 = nn.Linear(8, 4).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l2(torch.tanh(self.l1(x)).bfloat16())).float()
+        return self.l4(torch.tanh(self.l3(h)).bfloat16()).float()
+
+
+def _buckets_and_dtypes(rank: int, world_size: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for cap in (0, 1, 100, 2**40):
+        ref, ddp_model, sharded = MixedDtype(), MixedDtype(), MixedDtype()
+        ddp = DDP(ddp_model, bucket_cap_mb=1)
+        ddp_opt = torch.optim.Adam(ddp_model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        opt = OSS(sharded.parameters(), optim=torch.optim.Adam, lr=1e-2)
+        sdp = ShardedDataParallel(sharded, opt, reduce_buffer_size=cap)
+        results[f"cap={cap}/single_dtype_buckets"] = all(
+            len({p.dtype for p in b.spec.params}) == 1 and b.spec.wire_dtype == b.spec.params[0].dtype
+            for b in sdp._buckets)
+        results[f"cap={cap}/buckets"] = len(sdp._buckets)
+        for step in range(5):
+            x = rank_batch(rank, step)
+            for m, o in ((sdp, opt), (ddp, ddp_opt)):
+                o.zero_grad(set_to_none=step % 2 == 0)
+                m(x).pow(2).mean().backward()
+                o.step()
+            ref_opt.zero_grad()
+            reference_backward(ref, world_size, lambda mdl, r, s=step: mdl(rank_batch(r, s)).pow(2).mean())
+            ref_opt.step()
+        results[f"cap={cap}/vs_reference"] = rel_diff(sharded, ref)
+        if world_size == 2:
+            results[f"cap={cap}/vs_ddp"] = rel_diff(sharded, ddp_model)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bucket_sizes_0_1_and_huge_with_fp32_and_bf16_params_match_ddp_and_reference(world_size: int) -> None:
+    results = run_ranks(_buckets_and_dtypes, world_size, timeout_s=60)
+    print(f"\nworld_size={world_size}: {results[0]}")
+    for key in results[0]:
+        if key.endswith("single_dtype_buckets"):
+            assert all(r[key] for r in results), key
+        elif not key.endswith("/buckets"):
+            # the same arithmetic in the same order, bf16 included: exact
+            assert max(r[key] for r in results) == 0.0, (key, results)
+    assert results[0]["cap=0/buckets"] == results[0]["cap=1/buckets"] == 8
+    assert results[0][f"cap={2**40}/buckets"] == 2  # one per dtype
