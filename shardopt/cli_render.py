@@ -71,7 +71,8 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
                         f"{first.world_size} ranks ({first.backend})",
                   caption=f"final loss (mean over ranks) {mean_loss:.4f}; {tokens_s} tokens/s; steps "
                           f"{first.start_step}->{job.steps}, statistics over {first.counted_steps} steps after "
-                          f"{job.warmup_steps} warm-up; heap is relative to before the model was built")
+                          f"{job.warmup_steps} warm-up; heap is relative to before the model was built"
+                          + (f"; checkpoint: {job.checkpoint_path}" if job.checkpoint_path else ""))
     on_gpu = any(r.device_peak is not None for r in reports)
     for name in ("rank", "heap after step (MiB)", "heap peak (MiB)", *(("GPU peak (MiB)",) if on_gpu else ()),
                  "sent/step (MiB)", "median step (ms)", "final loss"):
