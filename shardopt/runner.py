@@ -271,7 +271,8 @@ def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> l
         Every rank's :class:`RankReport`, indexed by rank (the same list on every rank).
 
     Raises:
-        ValueError: unknown mode or preset, or a checkpoint saved for another model.
+        ValueError: unknown or unavailable mode, unknown preset, or a checkpoint saved for
+            another model.
         RuntimeError: no process group (call :func:`init_process_group_from_env` first).
     """
     comm.require_initialized("shardopt.runner.train")
@@ -283,6 +284,9 @@ def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> l
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     cfg = PRESETS[job.preset]
     batches = CharBatches(stdlib_corpus(job.corpus_bytes), job.batch_size, cfg.seq_len, rank, job.seed)
+    reason = mode.unavailable()  # also imports the mode's library now, so the baseline includes it
+    if reason is not None:
+        raise ValueError(reason)
     recorder = MemoryRecorder()
     recorder.start()
     module = build_model(cfg, seed=job.seed, device=device)
