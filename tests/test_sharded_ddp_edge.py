@@ -173,12 +173,21 @@ def _refusals(rank: int, world_size: int) -> list[str]:
         with pytest.raises(ValueError) as info:
             sdp(rank_batch(rank, 0)).pow(2).mean().backward(create_graph=True)
     messages.append(str(info.value))
+    solo = [dist.new_group([r]) for r in range(world_size)][rank]
+    model = seeded_mlp()
+    for call in (lambda: ShardedDataParallel(model, OSS(model.parameters(), lr=0.1), process_group=solo),
+                 lambda: ShardedDataParallel(model, [OSS(model[0].parameters(), lr=0.1),
+                                                     OSS(model[2:].parameters(), lr=0.1, group=solo)])):
+        with pytest.raises(ValueError) as info:
+            call()
+        messages.append(str(info.value))
     return messages
 
 
-def test_sparse_gradients_and_create_graph_are_refused_by_name_on_every_rank() -> None:
+def test_sparse_gradients_create_graph_and_mismatched_groups_are_refused_by_name_on_every_rank() -> None:
     expected = ["module 'emb' (Embedding) has sparse=True", "parameter 'table' got a torch.sparse_coo gradient",
-                "backward(create_graph=True) reached parameter"]
+                "backward(create_graph=True) reached parameter",
+                "process_group has 1 ranks", "but a sharded optimizer's group has 1 (rank 0)"]
     for messages in run_ranks(_refusals, 2, timeout_s=20):
         for fragment, message in zip(expected, messages, strict=True):
             assert fragment in message, (fragment, message)
@@ -425,3 +434,48 @@ def test_bucket_sizes_0_1_and_huge_with_fp32_and_bf16_params_match_ddp_and_refer
             assert max(r[key] for r in results) == 0.0, (key, results)
     assert results[0]["cap=0/buckets"] == results[0]["cap=1/buckets"] == 8
     assert results[0][f"cap={2**40}/buckets"] == 2  # one per dtype
+
+
+def _subgroups(rank: int, world_size: int) -> dict[str, Any]:
+    """Two independent 2-rank groups ({0, 2} and {1, 3}) train side by side in a 4-rank world,
+    each against DDP over the same group. The scaler is left on its default group, and an inf
+    in group {1, 3} must make that group alone skip."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+    results: dict[str, Any] = {}
+    ddp_model, sharded = seeded_mlp(), seeded_mlp()
+    ddp = DDP(ddp_model, process_group=group)
+    ddp_opt = torch.optim.Adam(ddp_model.parameters(), lr=1e-2)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    opt = OSS(sharded.parameters(), optim=torch.optim.Adam, lr=1e-2, group=group)
+    sdp = ShardedDataParallel(sharded, opt, reduce_buffer_size=100)
+    scaler = ShardedGradScaler(init_scale=2.0**8, device="cpu")
+    owned = [p for i, p in enumerate(opt.params) if opt.owns(i)]
+    for step in range(5):
+        x = rank_batch(rank, step)
+        for m, o, s in ((sdp, opt, scaler), (ddp, ddp_opt, ref_scaler)):
+            poisoned = step == 2 and rank % 2 == 1
+            if m is ddp and poisoned:
+                continue  # the reference skips the poisoned step entirely
+            o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(x).pow(2).mean()
+            s.scale(loss).backward()
+            if m is sdp and poisoned and rank == 3:  # inf on one rank of one group only
+                owned[0].grad.view(-1)[0] = float("inf")  # type: ignore[union-attr]
+            s.step(o)
+            s.update()
+    results["vs_ddp"] = rel_diff(sharded, ddp_model)
+    results["scale"] = scaler.get_scale()
+    results["ref_scale"] = ref_scaler.get_scale()
+    results["rank"] = rank
+    return results
+
+
+def test_two_subgroups_train_independently_and_match_ddp_over_the_same_group() -> None:
+    results = run_ranks(_subgroups, 4, timeout_s=30)
+    print(f"\nsubgroups: {results}")
+    for r in results:
+        assert r["vs_ddp"] == 0.0, results
+        backoff = 0.5 if r["rank"] % 2 == 1 else 1.0
+        assert r["scale"] == r["ref_scale"] * backoff, results

@@ -9,6 +9,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 
 from shardopt import comm
+from shardopt.optim.oss import OSS
 
 __all__ = ["ShardedGradScaler"]
 
@@ -35,7 +36,9 @@ class ShardedGradScaler(GradScaler):
         backoff_factor: factor the scale shrinks by after a step with inf/nan.
         growth_interval: clean steps between growths.
         enabled: ``False`` makes every method a pass-through, as in torch.
-        process_group: the group to agree over (default: the world).
+        process_group: the group to agree over (default: the group of the ``OSS`` being
+            unscaled, so ranks training in a subgroup agree with their own group only; the
+            world for any other optimizer).
         device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else CPU. Must be
             the device type of the gradients.
 
@@ -80,5 +83,8 @@ class ShardedGradScaler(GradScaler):
         found = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for flag in state["found_inf_per_device"].values():
             found = torch.maximum(found, flag.to(found.device))
-        comm.all_reduce(found, self.process_group, op="max", label="shardopt::scaler::found_inf").wait()
+        group = self.process_group
+        if group is None and isinstance(optimizer, OSS):
+            group = optimizer.group
+        comm.all_reduce(found, group, op="max", label="shardopt::scaler::found_inf").wait()
         state["found_inf_per_device"] = {found.device: found}

@@ -68,8 +68,9 @@ class ShardedDataParallel(nn.Module):
         TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS, or a trainable
             embedding produces sparse gradients (``sparse=True``).
         ValueError: parameters span device types, optimizers overlap or do not cover the
-            module's trainable parameters, a negative ``reduce_buffer_size``, or a
-            ``reduce_dtype`` that is not a floating dtype.
+            module's trainable parameters, an optimizer's group differs from
+            ``process_group``, a negative ``reduce_buffer_size``, or a ``reduce_dtype`` that
+            is not a floating dtype.
     """
 
     def __init__(
@@ -109,6 +110,14 @@ class ShardedDataParallel(nn.Module):
         self.process_group = process_group if process_group is not None else optimizers[0].group
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
+        for opt in optimizers:
+            if (comm.group_size(opt.group), comm.group_rank(opt.group)) != (self.world_size, self.rank):
+                raise ValueError(
+                    f"process_group has {self.world_size} ranks (this process is rank {self.rank}) but a sharded "
+                    f"optimizer's group has {comm.group_size(opt.group)} (rank {comm.group_rank(opt.group)}): "
+                    "ownership is planned over the optimizer's group; pass the same group to OSS(group=...) and "
+                    "ShardedDataParallel(process_group=...), or leave process_group=None to use the optimizer's"
+                )
         self.broadcast_buffers = broadcast_buffers
         self.reduce_buffer_size = reduce_buffer_size
         self.auto_refresh_trainable = auto_refresh_trainable
