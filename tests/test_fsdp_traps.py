@@ -319,3 +319,29 @@ def test_unit_skipped_on_one_rank_ends_in_an_error_naming_the_cause() -> None:
     # group timeout ends them and the error says what to look for.
     with pytest.raises(RankFailure, match="every rank must run the same units in the same order"):
         run_ranks(_unit_skipped_on_one_rank, 2, timeout_s=3)
+
+
+def _retained_graph(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for strategy in SHARDED + (ShardingStrategy.NO_SHARD,):
+        plain, model = gpt(), FSDP(gpt(), sharding_strategy=strategy, auto_wrap_policy=BLOCKS)
+        ref = _DDPByHand(plain)
+        opt_ref, opt = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            toks = tokens(rank, step)
+            for m, o in ((plain, opt_ref), (model, opt)):
+                o.zero_grad()
+                loss = lm_loss(m(toks), toks)
+                loss.backward(retain_graph=True)  # two backwards through one graph
+                loss.backward()
+                if m is plain:
+                    ref.sync()
+                o.step()
+        out[strategy.name] = max_abs_diff(model.state_dict().values(), plain.state_dict().values())
+    return out
+
+
+def test_second_backward_through_a_retained_graph_is_reduced_like_ddp_arithmetic() -> None:
+    # (g + g) * 1/2 summed over two ranks equals two averaged reductions added, bit for bit
+    for diffs in run_ranks(_retained_graph, 2):
+        assert max(diffs.values()) == 0.0, diffs

@@ -358,6 +358,7 @@ class FullyShardedDataParallel(nn.Module):
             root._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
         with torch.profiler.record_function("shardopt::fsdp::pre_backward"):
+            self._unit.backward_seen = True
             self._unit.unshard_()
             self._unit.prefetched = False
             if self._config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:

@@ -113,6 +113,9 @@ class Unit:
         """Post-backward hooks that fired in the current backward."""
         self.reduced = False
         """Whether this step's gradients have been reduced (or accumulated under no_sync)."""
+        self.backward_seen = False
+        """A gradient of one of this unit's outputs arrived in the current backward (set even
+        when no forward is pending, e.g. a second backward through a retained graph)."""
         self.prefetched = False
         """Gathered by a prefetch and not yet used by a forward or backward."""
 
@@ -197,7 +200,7 @@ class Unit:
     # ----------------------------------------------------------------- gradients
     def needs_reduction(self) -> bool:
         """Whether this step's backward still owes this unit a reduction (same on all ranks)."""
-        return self.forward_calls > 0 and not self.reduced
+        return (self.forward_calls > 0 or self.backward_seen) and not self.reduced
 
     def reduce_grads_(self, no_sync: bool) -> PendingReduce | None:
         """Collect this step's local gradients, reshard, and start their reduction.
@@ -282,6 +285,7 @@ class Unit:
         self.hooked_calls = 0
         self.post_backward_calls = 0
         self.reduced = False
+        self.backward_seen = False
 
     # ----------------------------------------------------------------- summon
     def summon_(self, with_grads: bool, visible: bool, offload_to_cpu: bool) -> SummonRecord | None:
