@@ -479,3 +479,72 @@ def test_two_subgroups_train_independently_and_match_ddp_over_the_same_group() -
         assert r["vs_ddp"] == 0.0, results
         backoff = 0.5 if r["rank"] % 2 == 1 else 1.0
         assert r["scale"] == r["ref_scale"] * backoff, results
+
+
+# ---------------------------------------------------------------------- ShardedGradScaler
+
+
+def _scaler_two_optimizers(rank: int, world_size: int) -> dict[str, Any]:
+    """Two OSS optimizers under one scaler, each unscaled and clipped before its step, an inf
+    in one optimizer's gradient on one rank, and the scaler saved and reloaded mid-run;
+    against torch's GradScaler + DDP + torch's clip with the inf on every rank."""
+    ddp_model, sharded = seeded_mlp(), seeded_mlp()
+    ddp = DDP(ddp_model)
+    split = lambda m: (list(m[0].parameters()), list(m[2].parameters()) + list(m[4].parameters()))  # noqa: E731
+    ddp_opts = [torch.optim.SGD(split(ddp_model)[0], lr=0.1, momentum=0.9),
+                torch.optim.Adam(split(ddp_model)[1], lr=1e-2)]
+    opts = [OSS(split(sharded)[0], optim=torch.optim.SGD, lr=0.1, momentum=0.9),
+            OSS(split(sharded)[1], optim=torch.optim.Adam, lr=1e-2)]
+    sdp = ShardedDataParallel(sharded, opts, reduce_buffer_size=64)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = ShardedGradScaler(init_scale=2.0**10, growth_interval=2, device="cpu")
+    poisoned = 2  # index in the second optimizer's params
+    poisoned_owner = opts[1].partition.owners[poisoned]
+    norms: dict[str, list[float]] = {"sdp": [], "ddp": []}
+    scales = []
+    for step in range(7):
+        x = rank_batch(rank, step)
+        if step == 4:  # save and restore the scaler as a checkpoint would
+            restored = ShardedGradScaler(device="cpu")
+            restored.load_state_dict(copy.deepcopy(scaler.state_dict()))
+            scaler = restored
+        for model, optimizers, s in ((sdp, opts, scaler), (ddp, ddp_opts, ref_scaler)):
+            for o in optimizers:
+                o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).pow(2).mean()
+            s.scale(loss).backward()
+            if step == 3 and (model is ddp or rank == poisoned_owner):
+                optimizers[1].param_groups[0]["params"][poisoned].grad.view(-1)[0] = float("inf")
+            for o in optimizers:
+                s.unscale_(o)
+                if model is sdp:
+                    norm = o.clip_grad_norm(0.5)  # type: ignore[union-attr]
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(o.param_groups[0]["params"], 0.5)
+                norms["sdp" if model is sdp else "ddp"].append(float(norm))
+                s.step(o)
+            s.update()
+        scales.append((scaler.get_scale(), ref_scaler.get_scale()))
+    finite = [(a, b) for a, b in zip(norms["sdp"], norms["ddp"]) if b != float("inf") and b == b]
+    return {
+        "vs_ddp": rel_diff(sharded, ddp_model),
+        "norm_diff": max(abs(a - b) / b for a, b in finite),
+        "nonfinite_norms": len(norms["ddp"]) - len(finite),
+        "scales": scales,
+        "state": (scaler.state_dict(), ref_scaler.state_dict()),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_scaler_with_two_optimizers_unscale_clip_step_and_reload_matches_torch(world_size: int) -> None:
+    results = run_ranks(_scaler_two_optimizers, world_size, timeout_s=60)
+    print(f"\nworld_size={world_size}: " + str({k: v for k, v in results[0].items() if k != "state"}))
+    for r in results:
+        assert r["vs_ddp"] <= tolerance(world_size), r
+        assert r["norm_diff"] <= (1e-6 if world_size > 2 else 1e-7), r
+        assert r["nonfinite_norms"] == 1, r  # only the poisoned optimizer's norm, once
+        assert all(a == b for a, b in r["scales"]), r["scales"]
+        ours, theirs = r["state"]
+        assert ours == theirs, (ours, theirs)
+    assert [s for s, _ in results[0]["scales"]] == [2.0**10, 2.0**11, 2.0**11, 2.0**10, 2.0**10, 2.0**11, 2.0**11]
