@@ -104,6 +104,7 @@ def _errors(rank: int, world_size: int) -> dict[str, str]:
     boxed = FSDP(_BoxedOutput())
     boxed(rank_batch(rank, 0)).tensor.sum().backward()
     m["unseen_backward"] = _message(lambda: boxed(rank_batch(rank, 1)), ValueError)
+    m["unreduced_grads"] = _message(boxed.state_dict, ValueError)  # instead of dropping them
     # optimizer state
     opt = torch.optim.Adam(list(root.parameters()) + [nn.Parameter(torch.zeros(3))])
     m["foreign_param"] = _message(lambda: FSDP.full_optim_state_dict(root, opt), ValueError)
@@ -144,6 +145,7 @@ EXPECTED = {
     "assign": "use assign=False",
     "sharded_missing": "the sharded state dict lacks ['pos']",
     "unseen_backward": "without reaching FSDP's hooks",
+    "unreduced_grads": "holds gradients that were never reduced",
     "name_missing": "is not in the matching param group",
     "foreign_param": "not one of the model's parameters",
     "not_osd": "must be the dict returned by full_optim_state_dict",

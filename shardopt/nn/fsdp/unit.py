@@ -183,12 +183,24 @@ class Unit:
         self.sharded_state = self.sharded_state.advance(ShardedState.UNSHARDED, self.rank)
 
     def reshard_(self) -> None:
-        """Point the originals back at their shard pieces, free the full buffer, restore grads."""
+        """Point the originals back at their shard pieces, free the full buffer, restore grads.
+
+        Raises:
+            ValueError: the full views carry gradients no reduction took (a backward that
+                FSDP's hooks never saw); dropping them silently would be wrong.
+        """
         handle = self.handle
         if handle is None or self.sharded_state is ShardedState.SHARDED:
             return
         if self.sharded_state is ShardedState.GATHERING:
             self._complete_gather()
+        if any(p.grad is not None for p in handle.params):
+            # Gradients on full views are this step's, not yet reduced (Note [gradient stash]).
+            raise ValueError(
+                f"[rank {self.rank}] FSDP unit {self.name or 'root'!r} holds gradients that were never reduced: a "
+                "backward ran without reaching FSDP's hooks. Return tensors (or lists, tuples, dicts or "
+                "dataclasses of tensors) from forward so FSDP can hook them"
+            )
         handle.use_shard_views()
         handle.free_full()
         for p, g in zip(handle.params, self.stash):
