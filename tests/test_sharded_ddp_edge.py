@@ -88,7 +88,7 @@ def _usage(rank: int, world_size: int) -> dict[str, float]:
     results: dict[str, float] = {}
     patterns = ("tied_and_reused", "two_forwards_one_backward", "retain_graph_twice",
                 "autograd_grad_after_backward", "zero_grad_between_forward_and_backward", "step_twice",
-                "gradient_penalty_on_params")
+                "gradient_penalty_on_params", "freeze_between_backward_and_step")
     for pattern in patterns:
         for cap in (0, 50, 2**23):
             ref, sharded = TiedLM(), TiedLM()
@@ -98,6 +98,9 @@ def _usage(rank: int, world_size: int) -> dict[str, float]:
             for step in range(5):
                 opt.zero_grad(set_to_none=step % 2 == 0)
                 ref_opt.zero_grad(set_to_none=step % 2 == 0)
+                for p in ref.parameters():
+                    if not p.requires_grad:
+                        p.grad = None  # OSS never steps a frozen parameter (torch would, on a zeroed grad)
                 if pattern == "two_forwards_one_backward":
                     (lm_loss(sdp, rank, step) + lm_loss(sdp, rank, step + 50)).backward()
                     reference_backward(ref, world_size, lambda m, r, s=step: lm_loss(m, r, s) + lm_loss(m, r, s + 50))
@@ -118,6 +121,9 @@ def _usage(rank: int, world_size: int) -> dict[str, float]:
                 else:
                     lm_loss(sdp, rank, step).backward()
                     reference_backward(ref, world_size, lambda m, r, s=step: lm_loss(m, r, s))
+                if pattern == "freeze_between_backward_and_step" and step in (1, 3):
+                    for m in (sharded, ref):  # freeze at step 1, unfreeze at step 3, after backward
+                        m.block.weight.requires_grad_(step == 3)
                 if pattern == "autograd_grad_after_backward":
                     # e.g. a metric on another loss's gradient: must not touch .grad
                     torch.autograd.grad(lm_loss(sdp, rank, step + 70), list(sharded.parameters()))
