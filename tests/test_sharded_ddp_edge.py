@@ -88,7 +88,7 @@ def _usage(rank: int, world_size: int) -> dict[str, float]:
     results: dict[str, float] = {}
     patterns = ("tied_and_reused", "two_forwards_one_backward", "retain_graph_twice",
                 "autograd_grad_after_backward", "zero_grad_between_forward_and_backward", "step_twice",
-                "gradient_penalty_on_params", "freeze_between_backward_and_step")
+                "gradient_penalty_on_params", "freeze_between_backward_and_step", "clip_then_accumulate")
     for pattern in patterns:
         for cap in (0, 50, 2**23):
             ref, sharded = TiedLM(), TiedLM()
@@ -113,6 +113,14 @@ def _usage(rank: int, world_size: int) -> dict[str, float]:
                 elif pattern == "gradient_penalty_on_params":
                     penalised(sdp, list(sharded.parameters()), rank, step).backward()
                     reference_backward(ref, world_size, lambda m, r, s=step: penalised(m, list(m.parameters()), r, s))
+                elif pattern == "clip_then_accumulate":
+                    # an in-place change of the owner's reduced gradient, then more gradient on top
+                    lm_loss(sdp, rank, step).backward()
+                    opt.clip_grad_norm(0.05)
+                    lm_loss(sdp, rank, step + 50).backward()
+                    reference_backward(ref, world_size, lambda m, r, s=step: lm_loss(m, r, s))
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                    reference_backward(ref, world_size, lambda m, r, s=step: lm_loss(m, r, s + 50))
                 elif pattern == "zero_grad_between_forward_and_backward":
                     loss = lm_loss(sdp, rank, step)
                     sdp.zero_grad(set_to_none=step % 2 == 1)

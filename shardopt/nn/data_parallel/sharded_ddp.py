@@ -25,15 +25,19 @@ logger = logging.getLogger(__name__)
 _MAX_BUCKETS_IN_FLIGHT = 2
 
 # Note [owner's gradient across backward passes]
-# After a reduction the owner's ``.grad`` holds the *averaged* gradient. A later backward
-# (gradient accumulation without no_sync) would add this rank's *local* gradient on top,
-# and reducing that sum would count the earlier average N times. So just before autograd
-# accumulates into a parameter, a ``.grad`` that is still exactly the tensor we wrote (same
-# object, same version counter) is moved aside; autograd then accumulates only local
-# gradients, the bucket sends only those, and the owner adds the new reduced gradient to
-# what it set aside. A ``.grad`` the user zeroed in place has a new version and is left
-# alone (adding local gradients to zeros is exact); one set to None has nothing to set
-# aside. Hence any zero_grad, on any object, at any time, is safe.
+# After a reduction the owner's ``.grad`` holds the *averaged* gradient; no other rank has
+# one. A later backward (gradient accumulation without no_sync) would add this rank's
+# *local* gradient on top, and reducing that sum would divide the earlier average by N
+# again (the other ranks have nothing to add to it). So just before autograd accumulates
+# into a parameter, a ``.grad`` that is still the tensor we wrote (same object, whatever was
+# done to it in place: zeroed by zero_grad, unscaled by a scaler, clipped) is moved aside;
+# autograd then accumulates only local gradients, the bucket sends only those, and the
+# owner adds the new reduced gradient to what it set aside. Zeros set aside add exactly;
+# a ``.grad`` set to None has nothing to set aside. Hence any zero_grad, on any object, at
+# any time, is safe, and an in-place edit of the reduced gradient is kept, as with DDP.
+# A ``.grad`` *replaced* by a new tensor is not ours and counts as a local gradient, as DDP
+# counts every ``.grad``: replace the owner's reduced gradient only before a step, not
+# before more backward passes.
 # The set-aside runs as a pre-hook of the parameter's AccumulateGrad node, which runs only
 # when a gradient is really accumulated. A tensor hook (``param.register_hook``) would also
 # fire for ``torch.autograd.grad(loss, params)``, which never touches ``.grad``: the owner's
@@ -134,7 +138,7 @@ class ShardedDataParallel(nn.Module):
         self._in_flight: deque[tuple[GradBucket, comm.PendingWork, torch.Tensor]] = deque()
         self._callback_queued = False
         self._set_aside: dict[nn.Parameter, torch.Tensor] = {}
-        self._written: dict[nn.Parameter, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._written: dict[nn.Parameter, weakref.ref[torch.Tensor]] = {}
         self._local_pending: set[nn.Parameter] = set()
         if sync_models_at_startup:
             self._sync_params_and_buffers()
@@ -256,14 +260,10 @@ class ShardedDataParallel(nn.Module):
     def _make_pre_hook(self, param: nn.Parameter) -> Any:
         def set_aside_reduced_grad(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
             # See Note [owner's gradient across backward passes].
-            written = self._written.get(param)
-            if written is None or param.grad is None:
-                return None
-            ref, version = written
-            if ref() is param.grad and param.grad._version == version:
+            written = self._written.pop(param, None)
+            if written is not None and param.grad is not None and written() is param.grad:
                 self._set_aside[param] = param.grad
                 param.grad = None
-            del self._written[param]
             return None
 
         return set_aside_reduced_grad
@@ -326,7 +326,7 @@ class ShardedDataParallel(nn.Module):
             if kept is not None:
                 reduced = kept.add_(reduced)
             param.grad = reduced
-            self._written[param] = (weakref.ref(reduced), reduced._version)
+            self._written[param] = weakref.ref(reduced)
 
     def _on_backward_end(self) -> None:
         self._flush()
