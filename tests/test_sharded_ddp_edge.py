@@ -562,3 +562,119 @@ def test_scaler_with_two_optimizers_unscale_clip_step_and_reload_matches_torch(w
         ours, theirs = r["state"]
         assert ours == theirs, (ours, theirs)
     assert [s for s, _ in results[0]["scales"]] == [2.0**10, 2.0**11, 2.0**11, 2.0**10, 2.0**10, 2.0**11, 2.0**11]
+
+
+# ---------------------------------------------------------------------- training recipes
+
+
+class TiedCheckpointed(TiedLM):
+    """The tied head runs inside a reentrant checkpoint, the embedding outside: the shared
+    weight gets one gradient from the checkpoint's nested backward and one from the outer.
+    ``checkpointed=False`` is the same arithmetic for the reference (which needs autograd.grad)."""
+
+    checkpointed = True
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.block(self.emb(tokens)))
+        return checkpoint(self.head, h, use_reentrant=True) if self.checkpointed else self.head(h)
+
+
+def _recipes(rank: int, world_size: int) -> dict[str, float]:
+    results: dict[str, float] = {}
+
+    # 1. A weight shared across a reentrant checkpoint boundary.
+    ref, sharded = TiedCheckpointed(), TiedCheckpointed()
+    ref.checkpointed = False
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = OSS(sharded.parameters(), optim=torch.optim.Adam, lr=1e-2)
+    sdp = ShardedDataParallel(sharded, opt, reduce_buffer_size=50)
+    for step in range(4):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with count_collectives() as calls:
+            lm_loss(sdp, rank, step).backward()
+        reference_backward(ref, world_size, lambda m, r, s=step: lm_loss(m, r, s))
+        opt.step()
+        ref_opt.step()
+    results["tied_across_reentrant_checkpoint"] = rel_diff(sharded, ref)
+    results["tied_across_reentrant_checkpoint/reduction_rounds"] = calls.count("all_to_all_single") / len(sdp._buckets)
+
+    # 2. Progressive unfreezing: the trunk is frozen and outside the optimizer, then joins it.
+    ref_b, sharded_b = Branchy(), Branchy()
+    for m in (ref_b, sharded_b):
+        m.trunk.requires_grad_(False)
+    heads = lambda m: [p for n, p in m.named_parameters() if not n.startswith("trunk")]  # noqa: E731
+    ref_opt = torch.optim.Adam(heads(ref_b), lr=1e-2)
+    opt = OSS(heads(sharded_b), optim=torch.optim.Adam, lr=1e-2)
+    sdp = ShardedDataParallel(sharded_b, opt, reduce_buffer_size=40)
+    for step in range(5):
+        if step == 2:
+            for m, o in ((sharded_b, opt), (ref_b, ref_opt)):
+                m.trunk.requires_grad_(True)
+                o.add_param_group({"params": list(m.trunk.parameters()), "lr": 1e-3})
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the trainability-change warning
+            sdp(rank_batch(rank, step)).pow(2).mean().backward()
+        reference_backward(ref_b, world_size, lambda m, r, s=step: m(rank_batch(r, s)).pow(2).mean())
+        opt.step()
+        ref_opt.step()
+    results["progressive_unfreeze"] = rel_diff(sharded_b, ref_b)
+
+    # 3. A GAN step: two wrapped models; the discriminator is frozen while the generator trains.
+    models = {name: (seeded_mlp(seed=s, width=8), seeded_mlp(seed=s, width=8)) for name, s in (("g", 1), ("d", 2))}
+    models["g"][0][-1], models["g"][1][-1] = nn.Linear(16, 8), nn.Linear(16, 8)  # G: 8 -> 8
+    for m in (*models["g"], *models["d"]):
+        torch.manual_seed(3)
+        m[-1].reset_parameters()
+    (g_ref, g_sh), (d_ref, d_sh) = models["g"], models["d"]
+    g_opt, d_opt = OSS(g_sh.parameters(), optim=torch.optim.Adam, lr=1e-2), OSS(d_sh.parameters(), lr=0.1)
+    g_sdp, d_sdp = ShardedDataParallel(g_sh, g_opt), ShardedDataParallel(d_sh, d_opt)
+    g_ref_opt, d_ref_opt = torch.optim.Adam(g_ref.parameters(), lr=1e-2), torch.optim.SGD(d_ref.parameters(), lr=0.1)
+
+    def d_loss(g: nn.Module, d: nn.Module, r: int, step: int) -> torch.Tensor:
+        return d(rank_batch(r, step)).mean() - d(g(rank_batch(r, step + 50)).detach()).mean()
+
+    def g_loss(g: nn.Module, d: nn.Module, r: int, step: int) -> torch.Tensor:
+        return d(g(rank_batch(r, step + 50))).mean()
+
+    for step in range(4):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the trainability-change warnings
+            for d in (d_sh, d_ref):
+                d.requires_grad_(True)
+            d_opt.zero_grad()
+            d_ref_opt.zero_grad()
+            d_loss(g_sdp, d_sdp, rank, step).backward()
+            reference_backward(d_ref, world_size, lambda m, r, s=step: d_loss(g_ref, m, r, s))
+            d_opt.step()
+            d_ref_opt.step()
+            for d in (d_sh, d_ref):
+                d.requires_grad_(False)
+            g_opt.zero_grad()
+            g_ref_opt.zero_grad()
+            g_loss(g_sdp, d_sdp, rank, step).backward()
+            reference_backward(g_ref, world_size, lambda m, r, s=step: g_loss(m, d_ref, r, s))
+            g_opt.step()
+            g_ref_opt.step()
+    results["gan_generator"] = rel_diff(g_sh, g_ref)
+    results["gan_discriminator"] = rel_diff(d_sh, d_ref)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tied_across_checkpoint_progressive_unfreeze_and_gan_match_reference(world_size: int) -> None:
+    results = run_ranks(_recipes, world_size, timeout_s=60)
+    print(f"\nworld_size={world_size}: {results[0]}")
+    # Known limitation: when the first gradients of a backward arrive inside a reentrant
+    # checkpoint, the checkpoint's nested backward ends with a flush of every bucket and the
+    # rest of the backward is reduced in a second round. Still correct, but the shared weight
+    # is the sum of two reductions instead of one (rounding), and the bytes are doubled.
+    assert results[0]["tied_across_reentrant_checkpoint/reduction_rounds"] == 2.0
+    for key in results[0]:
+        limit = 1e-6 if key == "tied_across_reentrant_checkpoint" else tolerance(world_size)
+        if not key.endswith("reduction_rounds"):
+            assert max(r[key] for r in results) <= limit, (key, results)
