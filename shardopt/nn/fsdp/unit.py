@@ -235,15 +235,28 @@ class Unit:
         if not trainable:
             self.reshard_()
             return None
+        # Only an unsharded unit can have received new gradients (Note [gradient stash]).
+        fresh = {id(p): p.grad for p, _ in trainable} if self.sharded_state is ShardedState.UNSHARDED else {}
         flat = self.grad_accumulator
         if flat is None:
-            flat = torch.zeros(handle.layout.padded_numel, dtype=handle.compute_dtype, device=handle.device)
-        if self.sharded_state is ShardedState.UNSHARDED:
-            # Only an unsharded unit can have received new gradients (Note [gradient stash]).
+            # One pass: copy each gradient, zero only what has none (frozen, unused, padding).
+            flat = torch.empty(handle.layout.padded_numel, dtype=handle.compute_dtype, device=handle.device)
+            flat[handle.layout.total_numel :].zero_()
+            for p, slot in zip(handle.params, handle.layout.slots):
+                grad = fresh.get(id(p))
+                piece = flat[slot.offset : slot.offset + slot.numel]
+                if grad is not None:
+                    piece.copy_(grad.reshape(-1))
+                else:
+                    piece.zero_()
+        else:
             for p, slot in trainable:
-                if p.grad is not None:
-                    flat[slot.offset : slot.offset + slot.numel].add_(p.grad.reshape(-1))
-                    p.grad = None
+                grad = fresh.get(id(p))
+                if grad is not None:
+                    flat[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+        for p, _ in trainable:
+            if id(p) in fresh:
+                p.grad = None
         self.reshard_()
         if no_sync:
             self.grad_accumulator = flat
