@@ -195,13 +195,21 @@ def _refusals(rank: int, world_size: int) -> list[str]:
         with pytest.raises(ValueError) as info:
             call()
         messages.append(str(info.value))
+    tied = TiedLM()
+    listed_twice = list(tied.emb.parameters()) + list(tied.block.parameters()) + list(tied.head.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's duplicate-parameter warning
+        with pytest.raises(ValueError) as info:
+            ShardedDataParallel(tied, OSS(listed_twice, lr=0.1))
+    messages.append(str(info.value))
     return messages
 
 
 def test_sparse_gradients_create_graph_and_mismatched_groups_are_refused_by_name_on_every_rank() -> None:
     expected = ["module 'emb' (Embedding) has sparse=True", "parameter 'table' got a torch.sparse_coo gradient",
                 "backward(create_graph=True) reached parameter",
-                "process_group has 1 ranks", "but a sharded optimizer's group has 1 (rank 0)"]
+                "process_group has 1 ranks", "but a sharded optimizer's group has 1 (rank 0)",
+                "parameter 'emb.weight' of shape (11, 8) is listed twice in sharded optimizer 0: shared weights"]
     for messages in run_ranks(_refusals, 2, timeout_s=20):
         for fragment, message in zip(expected, messages, strict=True):
             assert fragment in message, (fragment, message)

@@ -151,14 +151,21 @@ class ShardedDataParallel(nn.Module):
 
     def _owners(self) -> dict[torch.Tensor, int]:
         owners: dict[torch.Tensor, int] = {}
-        for opt in self.sharded_optimizers:
+        source: dict[torch.Tensor, int] = {}
+        for k, opt in enumerate(self.sharded_optimizers):
             for i, p in enumerate(opt.params):
                 if p in owners:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(p.shape)} is in two of the sharded optimizers; "
-                        "give each parameter to exactly one OSS"
-                    )
+                    what = f"parameter {self._name_of(p)!r} of shape {tuple(p.shape)}"
+                    if source[p] == k:
+                        raise ValueError(
+                            f"{what} is listed twice in sharded optimizer {k}: shared weights (such as a tied "
+                            "embedding and LM head) are one parameter; build the OSS over model.parameters(), "
+                            "which lists each parameter once"
+                        )
+                    raise ValueError(f"{what} is in two of the sharded optimizers ({source[p]} and {k}); "
+                                     "give each parameter to exactly one OSS")
                 owners[p] = opt.partition.owners[i]
+                source[p] = k
         return owners
 
     def _setup(self) -> None:
@@ -284,7 +291,7 @@ class ShardedDataParallel(nn.Module):
         self._local_pending.discard(param)
         self._launch_ready()
 
-    def _name_of(self, param: nn.Parameter) -> str:
+    def _name_of(self, param: torch.Tensor) -> str:
         return next((n for n, p in self.module.named_parameters() if p is param), "<not in module>")
 
     def _check_accumulated(self, param: nn.Parameter) -> None:
