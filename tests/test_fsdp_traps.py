@@ -345,3 +345,29 @@ def test_second_backward_through_a_retained_graph_is_reduced_like_ddp_arithmetic
     # (g + g) * 1/2 summed over two ranks equals two averaged reductions added, bit for bit
     for diffs in run_ranks(_retained_graph, 2):
         assert max(diffs.values()) == 0.0, diffs
+
+
+def _eval_between_forward_and_backward(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for strategy in SHARDED:
+        ref = DDP(gpt())
+        model = FSDP(gpt(), sharding_strategy=strategy, auto_wrap_policy=BLOCKS, forward_prefetch=True)
+        opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
+        worst = 0.0
+        for step in range(3):
+            toks, probe = tokens(rank, step), tokens(rank, 100 + step)
+            for m, o in ((ref, opt_ref), (model, opt)):
+                o.zero_grad()
+                loss = lm_loss(m(toks), toks)
+                with torch.no_grad():  # reshards what the training forward kept gathered
+                    m(probe)
+                loss.backward()  # gathers again for backward; saved views see the same storage
+                o.step()
+            worst = max(worst, max_abs_diff(model.state_dict().values(), ref.module.state_dict().values()))
+        out[strategy.name] = worst
+    return out
+
+
+def test_no_grad_forward_between_forward_and_backward_matches_ddp() -> None:
+    for diffs in run_ranks(_eval_between_forward_and_backward, 2):
+        assert max(diffs.values()) == 0.0, diffs
