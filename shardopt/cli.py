@@ -66,6 +66,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number such as 1e-3, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = float(text)
@@ -85,7 +95,7 @@ def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: st
                    help="local ranks to start (default 2; under torchrun, torchrun decides)")
     p.add_argument("--warmup-steps", type=_non_negative_int, default=2,
                    help="steps left out of timing and bytes statistics (default 2)")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     p.add_argument("--threads-per-rank", type=_positive_int, default=None,
                    help="intra-op threads per rank (default: CPU cores / ranks)")

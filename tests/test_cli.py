@@ -63,6 +63,8 @@ BAD_ARGUMENTS = [
     (["bench", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
     (["estimate", "--params", "10", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
     (["demo", "--mode", "zero9"], "argument --mode: invalid choice: 'zero9'"),
+    (["demo", "--lr", "-1"], "argument --lr: must be > 0, got -1"),
+    (["bench", "--steps", "ten"], "argument --steps: expected a positive integer, got 'ten'"),
     (["bench", "--modes", "ddp,zero9"], "unknown mode 'zero9' in --modes"),
     (["bench", "--modes", "fairscale"], "mode 'fairscale' needs fairscale, which is not installed; install it"),
     (["demo", "--mode", "zero3"], "mode 'zero3' needs shardopt.nn.fsdp.FullyShardedDataParallel"),
