@@ -202,14 +202,20 @@ def _refusals(rank: int, world_size: int) -> list[str]:
         with pytest.raises(ValueError) as info:
             ShardedDataParallel(tied, OSS(listed_twice, lr=0.1))
     messages.append(str(info.value))
+    shared = SharedLayers(use_reentrant=True)
+    sdp = ShardedDataParallel(shared, OSS(shared.parameters(), lr=0.1))
+    with pytest.raises(ValueError) as info:
+        sdp(rank_batch(rank, 0)).sum().backward()
+    messages.append(str(info.value))
     return messages
 
 
-def test_sparse_gradients_create_graph_and_mismatched_groups_are_refused_by_name_on_every_rank() -> None:
+def test_sparse_grads_create_graph_mismatched_groups_and_reentrant_sharing_are_refused_on_every_rank() -> None:
     expected = ["module 'emb' (Embedding) has sparse=True", "parameter 'table' got a torch.sparse_coo gradient",
                 "backward(create_graph=True) reached parameter",
                 "process_group has 1 ranks", "but a sharded optimizer's group has 1 (rank 0)",
-                "parameter 'emb.weight' of shape (11, 8) is listed twice in sharded optimizer 0: shared weights"]
+                "parameter 'emb.weight' of shape (11, 8) is listed twice in sharded optimizer 0: shared weights",
+                "got a second gradient in one backward pass after its first was queued for reduction"]
     for messages in run_ranks(_refusals, 2, timeout_s=20):
         for fragment, message in zip(expected, messages, strict=True):
             assert fragment in message, (fragment, message)
@@ -589,6 +595,30 @@ class TiedCheckpointed(TiedLM):
         return checkpoint(self.head, h, use_reentrant=True) if self.checkpointed else self.head(h)
 
 
+class SharedLayers(nn.Module):
+    """One layer applied twice (ALBERT-style sharing), each application checkpointed."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+        self.use_reentrant = use_reentrant
+        self.checkpointed = True
+
+    def layer(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        if self.use_reentrant:
+            x = x.requires_grad_()
+        for _ in range(2):
+            x = checkpoint(self.layer, x, use_reentrant=self.use_reentrant) if self.checkpointed else self.layer(x)
+        return self.head(x)
+
+
 def _recipes(rank: int, world_size: int) -> dict[str, float]:
     results: dict[str, float] = {}
 
@@ -608,6 +638,21 @@ def _recipes(rank: int, world_size: int) -> dict[str, float]:
         ref_opt.step()
     results["tied_across_reentrant_checkpoint"] = rel_diff(sharded, ref)
     results["tied_across_reentrant_checkpoint/reduction_rounds"] = calls.count("all_to_all_single") / len(sdp._buckets)
+
+    # 1b. A layer shared by two non-reentrant checkpoints (reentrant ones are refused).
+    ref_s, sharded_s = SharedLayers(use_reentrant=False), SharedLayers(use_reentrant=False)
+    ref_s.checkpointed = False
+    ref_opt = torch.optim.Adam(ref_s.parameters(), lr=1e-2)
+    opt = OSS(sharded_s.parameters(), optim=torch.optim.Adam, lr=1e-2)
+    sdp = ShardedDataParallel(sharded_s, opt, reduce_buffer_size=20)
+    for step in range(4):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        sdp(rank_batch(rank, step)).pow(2).mean().backward()
+        reference_backward(ref_s, world_size, lambda m, r, s=step: m(rank_batch(r, s)).pow(2).mean())
+        opt.step()
+        ref_opt.step()
+    results["layer_shared_by_two_checkpoints"] = rel_diff(sharded_s, ref_s)
 
     # 2. Progressive unfreezing: the trunk is frozen and outside the optimizer, then joins it.
     ref_b, sharded_b = Branchy(), Branchy()

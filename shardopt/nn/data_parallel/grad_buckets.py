@@ -175,6 +175,10 @@ class GradBucket:
         """Every parameter of the bucket has its gradient copied in."""
         return len(self._filled) == len(self.spec.params)
 
+    def holds(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param``'s gradient is already in the bucket this iteration."""
+        return self._position[param] in self._filled
+
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Copy ``grad * scale`` into the parameter's slot and set its flag."""
         if self.state is BucketState.EMPTY:

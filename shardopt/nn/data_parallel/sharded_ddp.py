@@ -43,6 +43,17 @@ _MAX_BUCKETS_IN_FLIGHT = 2
 # fire for ``torch.autograd.grad(loss, params)``, which never touches ``.grad``: the owner's
 # reduced gradient would vanish into the set-aside table and the step would skip it.
 
+# Note [reentrant checkpoints]
+# A reentrant activation checkpoint runs a nested backward, with its own end-of-backward
+# callbacks. The flush is queued on the backward in which the first gradient of an
+# iteration arrives. If that is a nested one, every bucket is sent when it ends and the
+# rest of the outer backward is reduced in a second round: correct (the owner adds the
+# rounds, Note [owner's gradient across backward passes]) but with twice the bytes. A
+# parameter used in several reentrant checkpoints after the flush was queued on the outer
+# backward gets one gradient per nested backward within one round, after its bucket may
+# have been sent: that is refused with a ValueError naming it, rather than reduced wrongly.
+# Non-reentrant checkpoints (use_reentrant=False) have neither problem.
+
 
 class ShardedDataParallel(nn.Module):
     """Data parallel with gradients reduced to, and kept only on, their owner (ZeRO-2).
@@ -281,10 +292,17 @@ class ShardedDataParallel(nn.Module):
         if not self._should_sync:
             self._local_pending.add(param)
             return
+        bucket = self._bucket_of[param]
+        if bucket.spec.index < self._next_launch or bucket.holds(param):  # Note [reentrant checkpoints]
+            raise ValueError(
+                f"parameter {self._name_of(param)!r} got a second gradient in one backward pass after its "
+                "first was queued for reduction. This happens when it is used in several reentrant activation "
+                "checkpoints (torch.utils.checkpoint(..., use_reentrant=True)), whose nested backward passes "
+                "each accumulate into it: use use_reentrant=False"
+            )
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        bucket = self._bucket_of[param]
         assert param.grad is not None
         bucket.add(param, param.grad)
         param.grad = None
