@@ -286,7 +286,15 @@ class FullyShardedDataParallel(nn.Module):
                 root._exec_order.append(self)
             self._unit.unshard_()
             self._unit.prefetched = False
-            if grad:
+            # A forward with autograd on while a backward runs is activation checkpointing's
+            # recomputation: the unit stays gathered for that backward and is neither counted
+            # nor hooked again (its reduction comes from the original forward's hook, or
+            # from the end-of-backward callback for reentrant checkpointing).
+            recompute = grad and root._callback_queued
+            if recompute:
+                self._unit.backward_seen = True
+                grad = False
+            elif grad:
                 self._unit.forward_calls += 1
                 self._training_state = self._training_state.advance(TrainingState.FORWARD_BACKWARD, self._unit.rank)
             if self._config.forward_prefetch:
@@ -299,8 +307,9 @@ class FullyShardedDataParallel(nn.Module):
             if grad:
                 args, kwargs = self._hook_inputs(args, kwargs)
         out = self._fsdp_wrapped_module(*args, **kwargs)
-        with torch.profiler.record_function("shardopt::fsdp::post_forward"):
-            self._post_forward(out, grad)
+        if not recompute:
+            with torch.profiler.record_function("shardopt::fsdp::post_forward"):
+                self._post_forward(out, grad)
         return out
 
     def _check_unseen_backward(self) -> None:
