@@ -17,6 +17,8 @@ Note [hook order]
   once, unshard, optionally prefetch the unit that runs next in backward;
 * post-backward (gradients of all forward inputs computed, counted over every forward of
   the unit in this step): reduce-scatter the unit's gradients and reshard;
+* a forward with autograd on while a backward runs (activation checkpointing recomputing
+  a unit) only unshards: the unit stays gathered for the backward that needs it;
 * end of backward (root callback): reduce, in module-tree order, every unit whose
   post-backward could not fire (inputs without grad, e.g. token ids into the root), wait for
   all reductions, write sharded gradients, reshard everything.
