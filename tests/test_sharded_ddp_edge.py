@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardopt import comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
-from shardopt.testing import RankFailure, run_ranks
-from tests.common import max_abs_diff, rank_batch, seeded_mlp
+from shardopt.testing import run_ranks
+from tests.common import rank_batch, seeded_mlp
 from tests.test_sharded_ddp import Branchy, rel_diff, tolerance
 
 LossOf = Callable[[nn.Module, int], torch.Tensor]
@@ -731,3 +731,42 @@ def test_tied_across_checkpoint_progressive_unfreeze_and_gan_match_reference(wor
         limit = 1e-6 if key == "tied_across_reentrant_checkpoint" else tolerance(world_size)
         if not key.endswith("reduction_rounds"):
             assert max(r[key] for r in results) <= limit, (key, results)
+
+
+def _scaler_rank_owning_nothing(rank: int, world_size: int) -> dict[str, Any]:
+    """One parameter, three ranks: two ranks have no gradient at all to unscale, yet every
+    rank must agree to skip when the owner's gradient is inf, and match torch's scaler + DDP."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2, bias=False)
+    ddp_model = copy.deepcopy(model)
+    ddp = DDP(ddp_model)
+    ddp_opt = torch.optim.Adam(ddp_model.parameters(), lr=1e-2)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-2)
+    sdp = ShardedDataParallel(model, opt)
+    scaler, ref_scaler = ShardedGradScaler(init_scale=8.0, device="cpu"), torch.amp.GradScaler("cpu", init_scale=8.0)
+    skipped = []
+    for step in range(4):
+        x = rank_batch(rank, step)
+        for m, o, s in ((sdp, opt, scaler), (ddp, ddp_opt, ref_scaler)):
+            o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(x).pow(2).mean()
+            s.scale(loss).backward()
+            if step == 1 and (m is ddp or opt.owns(0)):  # the reference sees the inf everywhere
+                o.param_groups[0]["params"][0].grad.view(-1)[0] = float("inf")
+            before = float(s.get_scale())
+            s.step(o)
+            s.update()
+            if m is sdp:
+                skipped.append(s.get_scale() < before)
+    return {"vs_ddp": rel_diff(model, ddp_model), "skipped": skipped, "owns": opt.owns(0),
+            "scales": (scaler.get_scale(), ref_scaler.get_scale())}
+
+
+def test_scaler_agrees_to_skip_when_some_ranks_own_no_gradient() -> None:
+    results = run_ranks(_scaler_rank_owning_nothing, 3, timeout_s=30)
+    assert sum(r["owns"] for r in results) == 1
+    for r in results:
+        assert r["skipped"] == [False, True, False, False], r
+        assert r["scales"][0] == r["scales"][1], r
+        assert r["vs_ddp"] <= tolerance(3), r
