@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardopt.memory import heap_bytes
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
@@ -562,3 +563,26 @@ def _cuda_parity(rank: int, world_size: int) -> float:
 @pytest.mark.gpu
 def test_cuda_tensors_on_gloo_match_ddp() -> None:
     assert max(run_ranks(_cuda_parity, 2, backend="gloo")) == 0.0
+
+
+def _scratch_released(rank: int, world_size: int) -> list[float]:
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])  # 48 MiB of fp32 params
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.01, momentum=0.9)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=2**20)
+    growth = []
+    for step in range(4):
+        opt.zero_grad(set_to_none=True)
+        sdp(torch.randn(2, 1024)).sum().backward()
+        after_backward = heap_bytes()
+        opt.step()
+        assert after_backward is not None
+        growth.append((heap_bytes() - after_backward) / 2**20)  # type: ignore[operator]
+    return growth[1:]  # step 0 creates the momentum buffers
+
+
+@pytest.mark.skipif(heap_bytes() is None, reason="heap readings need glibc's mallinfo2")
+def test_no_scratch_buffer_outlives_the_step() -> None:
+    # Gradient buckets and gathered parameter chunks (up to 16 MiB) are freed when their
+    # transfer completes (Note [release scratch buffers]); the heap after step must not grow.
+    for growth in run_ranks(_scratch_released, 2):
+        assert max(growth) < 0.5, growth

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from shardopt import comm
+from shardopt.buckets import release_storage
 
 __all__ = ["BucketSpec", "BucketState", "GradBucket", "plan_buckets"]
 
@@ -214,7 +215,6 @@ class GradBucket:
         pending = comm.all_to_all(
             recv, self._send, [mine] * num_ranks, self.spec.splits, group, label="shardopt::sdp::reduce"
         )
-        self._send = None  # the pending record keeps it alive until the transfer is done
         self._filled.clear()
         self._to(BucketState.IN_FLIGHT)
         return pending, recv
@@ -227,6 +227,16 @@ class GradBucket:
             ``None`` when no rank had a gradient for it (see Note [reduce to owner]).
         """
         self._to(BucketState.EMPTY)
+        try:
+            return self._reduced(recv, num_ranks)
+        finally:
+            # The transfer is complete; see Note [release scratch buffers] in shardopt.buckets.
+            release_storage(recv)
+            if self._send is not None:
+                release_storage(self._send)
+                self._send = None
+
+    def _reduced(self, recv: torch.Tensor, num_ranks: int) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         mine = [k for k, owner in enumerate(self.spec.owners) if owner == self._rank]
         if not mine:
             return []
