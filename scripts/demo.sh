@@ -6,7 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-# numpy: torch.distributed's object collectives (used by OSS) need it, and torch does not require it.
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 numpy -e . </dev/null
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e . </dev/null
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/shardopt demo "$@"
