@@ -1,8 +1,17 @@
 """shardopt: ZeRO-style sharding of optimizer state, gradients and parameters for PyTorch."""
 
-from shardopt.optim import OSS
+from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
+from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.partition import Partition, partition_by_size
 
 __version__ = "0.1.0"
 
-__all__ = ["OSS", "Partition", "partition_by_size", "__version__"]
+__all__ = [
+    "OSS",
+    "FullyShardedDataParallel",
+    "Partition",
+    "ShardedDataParallel",
+    "ShardedGradScaler",
+    "partition_by_size",
+    "__version__",
+]

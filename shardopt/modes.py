@@ -133,7 +133,8 @@ def _build_zero3(module: nn.Module, lr: float, device: Any) -> Wrapped:
 
     blocks = getattr(module, "blocks", None)  # one unit per transformer block of the built-in GPT
     policy = ModuleClassPolicy((type(blocks[0]),)) if isinstance(blocks, nn.ModuleList) and len(blocks) else None
-    model = FullyShardedDataParallel(module, auto_wrap_policy=policy)
+    # Forward prefetch, as FSDP2 does by default: the like-for-like comparison.
+    model = FullyShardedDataParallel(module, auto_wrap_policy=policy, forward_prefetch=True)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True), sharded_params=True,
                    checkpoint_target=model)
