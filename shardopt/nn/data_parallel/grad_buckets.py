@@ -245,8 +245,9 @@ class GradBucket:
         param_dtype = self.spec.params[mine[0]].dtype
         if rows.dtype != param_dtype:
             rows = rows.to(param_dtype)
-        total = rows[0].clone()
-        for r in range(1, num_ranks):
+        # One pass for the first sum (no clone), then in place; rank order either way.
+        total = rows[0] + rows[1] if num_ranks > 1 else rows[0].clone()
+        for r in range(2, num_ranks):
             total += rows[r]
         base = self.spec.offsets[mine[0]]
         used = total[self.spec.flag_offsets[mine[0]] - base :].tolist()
