@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -26,3 +26,19 @@ def max_abs_diff(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:
     """Largest elementwise |a - b| over matching tensors (0.0 when identical)."""
     return max(((x.detach().float() - y.detach().float()).abs().max().item() for x, y in zip(a, b, strict=True)),
                default=0.0)
+
+
+def reference_backward(model: nn.Module, world_size: int, loss_of: Callable[[nn.Module, int], torch.Tensor]) -> None:
+    """One data-parallel backward in one process: each rank's gradient times 1/N, summed in
+    rank order, added to ``.grad`` (a parameter no rank used keeps its ``.grad``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total: list[torch.Tensor | None] = [None] * len(params)
+    for r in range(world_size):
+        grads = torch.autograd.grad(loss_of(model, r), params, allow_unused=True)
+        for i, g in enumerate(grads):
+            if g is not None:
+                scaled = g * (1.0 / world_size)
+                total[i] = scaled if total[i] is None else total[i] + scaled  # type: ignore[operator]
+    for p, g in zip(params, total):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g

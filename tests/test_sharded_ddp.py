@@ -17,7 +17,7 @@ from shardopt.memory import heap_bytes
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff, rank_batch, seeded_mlp
+from tests.common import max_abs_diff, rank_batch, reference_backward, seeded_mlp
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
@@ -57,18 +57,8 @@ def reference_step(
     world_size: int,
     loss_of: Callable[[nn.Module, int], torch.Tensor],
 ) -> None:
-    """One data-parallel step in one process: every rank's gradient, times 1/N, summed in rank
-    order; a parameter no rank produced a gradient for keeps ``grad=None``."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    total: list[torch.Tensor | None] = [None] * len(params)
-    for r in range(world_size):
-        grads = torch.autograd.grad(loss_of(model, r), params, allow_unused=True)
-        for i, g in enumerate(grads):
-            if g is not None:
-                scaled = g * (1.0 / world_size)
-                total[i] = scaled if total[i] is None else total[i] + scaled  # type: ignore[operator]
-    for p, g in zip(params, total):
-        p.grad = None if g is None else g
+    """One data-parallel step in one process (see :func:`tests.common.reference_backward`)."""
+    reference_backward(model, world_size, loss_of)
     opt.step()
 
 

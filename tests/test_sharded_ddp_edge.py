@@ -28,7 +28,7 @@ from shardopt import comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
-from tests.common import rank_batch, seeded_mlp
+from tests.common import reference_backward, rank_batch, seeded_mlp
 from tests.test_sharded_ddp import Branchy, rel_diff, tolerance
 
 LossOf = Callable[[nn.Module, int], torch.Tensor]
@@ -62,22 +62,6 @@ def penalised(model: nn.Module, params: list[nn.Parameter], rank: int, step: int
     loss = lm_loss(model, rank, step)
     grads = torch.autograd.grad(loss, params, create_graph=True)
     return loss + 0.1 * sum(g.pow(2).sum() for g in grads)
-
-
-def reference_backward(model: nn.Module, world_size: int, loss_of: LossOf) -> None:
-    """One data-parallel backward in one process: each rank's gradient times 1/N, summed in
-    rank order, added to ``.grad`` (a parameter no rank used keeps its ``.grad``)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    total: list[torch.Tensor | None] = [None] * len(params)
-    for r in range(world_size):
-        grads = torch.autograd.grad(loss_of(model, r), params, allow_unused=True)
-        for i, g in enumerate(grads):
-            if g is not None:
-                scaled = g * (1.0 / world_size)
-                total[i] = scaled if total[i] is None else total[i] + scaled  # type: ignore[operator]
-    for p, g in zip(params, total):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
 
 
 # ---------------------------------------------------------------------- usage patterns
