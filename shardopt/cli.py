@@ -46,44 +46,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _checked(
+    parse: Callable[[str], Any], expected: str, ok: Callable[[Any], bool], rule: str,
+    result: Callable[[Any], Any] = lambda value: value,
+) -> Callable[[str], Any]:
+    """An argparse ``type=``: parse ``text``, check ``ok``, and say what was expected if not."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return result(value)
+
+    return convert
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number such as 1e-3, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number such as 7.5e9, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return int(value)
+_positive_int = _checked(int, "a positive integer", lambda v: v >= 1, ">= 1")
+_non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0, ">= 0")
+_positive_float = _checked(float, "a positive number such as 1e-3", lambda v: v > 0, "> 0")
+_count = _checked(float, "a number such as 7.5e9", lambda v: v >= 1, ">= 1", result=int)
 
 
 def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: str) -> None:
