@@ -17,7 +17,7 @@ from shardopt.memory import heap_bytes
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff, rank_batch, reference_backward, seeded_mlp
+from tests.common import add_to_grads, average_in_rank_order, max_abs_diff, rank_batch, reference_backward, seeded_mlp
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
@@ -140,19 +140,12 @@ def _accumulation(rank: int, world_size: int) -> dict[str, float]:
                 grads = [torch.autograd.grad(ref(rank_batch(r, 10 * step + micro)).pow(2).mean(), params)
                          for r in range(world_size)]
                 if mode == "plain":
-                    avg = [sum((g[i] * (1.0 / world_size) for g in grads[1:]), grads[0][i] * (1.0 / world_size))
-                           for i in range(len(params))]
-                    for p, g in zip(params, avg):
-                        p.grad = g if p.grad is None else p.grad + g
+                    add_to_grads(params, average_in_rank_order([list(g) for g in grads]))
                 else:
                     local = [list(g) for g in grads] if not local else [
                         [a + b for a, b in zip(acc, g)] for acc, g in zip(local, grads)]
             if mode != "plain":
-                for i, p in enumerate(params):
-                    avg_i = local[0][i] * (1.0 / world_size)
-                    for r in range(1, world_size):
-                        avg_i = avg_i + local[r][i] * (1.0 / world_size)
-                    p.grad = avg_i if p.grad is None else p.grad + avg_i
+                add_to_grads(params, average_in_rank_order(local))  # type: ignore[arg-type]
             if mode == "manual_reduce":
                 sdp.reduce()
             opt.step()

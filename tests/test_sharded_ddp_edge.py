@@ -28,7 +28,7 @@ from shardopt import comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
-from tests.common import reference_backward, rank_batch, seeded_mlp
+from tests.common import add_to_grads, average_in_rank_order, rank_batch, reference_backward, seeded_mlp
 from tests.test_sharded_ddp import Branchy, rel_diff, tolerance
 
 LossOf = Callable[[nn.Module, int], torch.Tensor]
@@ -212,19 +212,14 @@ def reference_accumulate(model: nn.Module, world_size: int, micro_losses: list[L
     """Each rank sums its micro-batch gradients (in order, as autograd does), then the sums
     are averaged once: what ``no_sync`` accumulation computes."""
     params = [p for p in model.parameters() if p.requires_grad]
-    total: list[torch.Tensor | None] = [None] * len(params)
+    per_rank: list[list[torch.Tensor | None]] = []
     for r in range(world_size):
         local: list[torch.Tensor | None] = [None] * len(params)
         for loss_of in micro_losses:
             grads = torch.autograd.grad(loss_of(model, r), params, allow_unused=True)
             local = [a if g is None else g if a is None else a + g for a, g in zip(local, grads)]
-        for i, g in enumerate(local):
-            if g is not None:
-                scaled = g * (1.0 / world_size)
-                total[i] = scaled if total[i] is None else total[i] + scaled  # type: ignore[operator]
-    for p, g in zip(params, total):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
+        per_rank.append(local)
+    add_to_grads(params, average_in_rank_order(per_rank))
 
 
 def _no_sync_patterns(rank: int, world_size: int) -> dict[str, float]:
