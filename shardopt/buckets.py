@@ -15,6 +15,19 @@ scheme can (each rank must receive what the others updated), and it is one colle
 chunk, never one per parameter. Padding costs ``(N-1) * (longest - own)`` elements, which the
 size-balanced partition keeps small. Temporary memory is one gathered chunk
 (``bucket_bytes``) per chunk in flight, at most two in flight, whatever the world size.
+
+Note [direct parameter transfers]
+Where point-to-point is the fast path (gloo on CPU, see Note [gloo point to point] in
+:mod:`shardopt.comm`), a parameter of at least ``direct_min_bytes`` whose wire dtype is its
+own dtype skips the streams: its owner sends the parameter's memory to every other rank,
+which receives straight into its copy of the parameter. No packing, no unpacking, no
+scratch buffer and no padding; per rank exactly ``(N-1)`` times the bytes it owns leave
+(27M-parameter GPT, 2 ranks: the whole sync went from 62 ms with point-to-point streams, and
+80-100 ms with gloo's all-gather, to 36 ms). Smaller parameters still travel in the packed
+streams, so a model with thousands of tiny tensors does not become thousands of messages.
+Both sides list a rank's direct parameters in parameter order, which is what pairs each
+send with its receive. Writing through the network bypasses autograd's version counter, so
+it is bumped afterwards, as an in-place copy would.
 """
 
 from __future__ import annotations
@@ -29,11 +42,12 @@ import torch
 from shardopt import comm
 from shardopt.partition import Partition
 
-__all__ = ["ParamGather", "DEFAULT_GATHER_BUCKET_BYTES", "release_storage"]
+__all__ = ["ParamGather", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_GATHER_BUCKET_BYTES", "release_storage"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GATHER_BUCKET_BYTES = 2**24
+DEFAULT_DIRECT_MIN_BYTES = 2**18
 _MAX_CHUNKS_IN_FLIGHT = 2
 
 
@@ -93,6 +107,8 @@ class ParamGather:
             sync issues ``ceil(longest stream / chunk)`` collectives per (device, dtype).
         fp16: send fp32 parameters as fp16 (halves the bytes; receivers get rounded values,
             the owner keeps full precision).
+        direct_min_bytes: parameters this large move directly where point-to-point is the
+            fast path (Note [direct parameter transfers]).
     """
 
     def __init__(
@@ -103,6 +119,7 @@ class ParamGather:
         group: comm.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_GATHER_BUCKET_BYTES,
         fp16: bool = False,
+        direct_min_bytes: int = DEFAULT_DIRECT_MIN_BYTES,
     ) -> None:
         self._rank = rank
         self._group = group
@@ -110,9 +127,14 @@ class ParamGather:
         self._bucket_bytes = bucket_bytes
         self._fp16 = fp16
         classes: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+        self._direct: list[list[torch.Tensor]] = [[] for _ in range(self._num_ranks)]
         for param, owner, size in zip(params, partition.owners, partition.sizes):
             if size == 0:
                 continue  # frozen: nothing changes, nothing to send
+            if (size >= direct_min_bytes and self._wire_dtype(param.dtype) == param.dtype
+                    and comm.prefers_point_to_point(group, param.device)):
+                self._direct[owner].append(param)
+                continue
             key = (param.device, param.dtype)
             classes.setdefault(key, [[] for _ in range(self._num_ranks)])[owner].append(param)
         self._streams: list[_Stream] = []
@@ -134,11 +156,13 @@ class ParamGather:
     def gather(self) -> None:
         """Run the gather; on return every rank holds every owner's current values.
 
-        Call on every rank of the group. Chunks are issued in stream order, at most two in
-        flight, and waited in the order they were issued. A group of one returns at once.
+        Call on every rank of the group. Direct transfers are posted first, then stream
+        chunks are issued in stream order, at most two in flight, and waited in the order
+        they were issued. A group of one returns at once.
         """
         if self._num_ranks == 1:
             return
+        direct = self._post_direct()
         in_flight: deque[_InFlightChunk] = deque()
         for stream in self._streams:
             wire = self._wire_dtype(stream.dtype)
@@ -156,6 +180,21 @@ class ParamGather:
                     self._finish(in_flight.popleft())
         while in_flight:
             self._finish(in_flight.popleft())
+        if direct is not None:
+            direct.wait()
+            for owner, params in enumerate(self._direct):
+                if owner != self._rank:
+                    for param in params:
+                        torch.autograd.graph.increment_version(param)
+
+    def _post_direct(self) -> comm.PendingWork | None:
+        """Start the direct transfers (Note [direct parameter transfers]); ``None`` if none."""
+        if not any(self._direct):
+            return None
+        peers = [(self._rank + k) % self._num_ranks for k in range(1, self._num_ranks)]
+        sends = [(p.detach().view(-1), peer) for peer in peers for p in self._direct[self._rank]]
+        recvs = [(p.detach().view(-1), owner) for owner in peers for p in self._direct[owner]]
+        return comm.exchange(sends, recvs, self._group, label="shardopt::oss::param_gather")
 
     def _finish(self, chunk: _InFlightChunk) -> None:
         """Wait for ``chunk`` and copy the other ranks' pieces into their parameters."""

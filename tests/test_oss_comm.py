@@ -1,5 +1,6 @@
-"""OSS's post-step parameter sync: one collective per bucket, (N-1)/N of the parameter bytes
-sent per rank, half of that with broadcast_fp16, and every rank ends with the owners' values.
+"""OSS's post-step parameter sync: large parameters go straight from owner to peers (exactly
+the owned bytes), small ones in packed streams (one collective per bucket), half the bytes with
+broadcast_fp16, and every rank ends with the owners' values.
 
 Bytes are measured as the growth of ``wchar`` in /proc/self/io (gloo writes to its sockets
 with write/writev, which the kernel counts there) around the sync.
@@ -50,34 +51,42 @@ def _wide_model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(16)])
 
 
+def _owner_values_everywhere(opt: OSS, model: nn.Module, fp16: bool) -> float:
+    """Largest |param - owner's param| (owner's rounded to fp16 off the owner when ``fp16``)."""
+    worst = 0.0
+    for i, p in enumerate(model.parameters()):
+        theirs = p.detach().clone()
+        torch.distributed.broadcast(theirs, src=opt.partition.owners[i])
+        expected = theirs if (opt.owns(i) or not fp16) else theirs.half().float()
+        worst = max(worst, (p.detach() - expected).abs().max().item())
+    return worst
+
+
 def _sync_bytes(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     calls: list[int] = []
     real, counting = _count_gathers(calls)
     comm.all_gather_into = counting  # type: ignore[assignment]
     try:
-        for fp16 in (False, True):
+        # direct: every 256 KiB matrix moves owner -> peers (Note [direct parameter transfers]);
+        # streams: the same matrices packed (direct transfers off); fp16: packed, half the bytes.
+        for wire, fp16, direct_min in (("direct", False, None), ("streams", False, 2**40), ("fp16", True, None)):
             model = _wide_model()
             opt = OSS(model.parameters(), optim=SGD, lr=0.1, broadcast_fp16=fp16)
+            if direct_min is not None:
+                opt._gather = ParamGather(list(opt.params), opt.partition, rank, None, direct_min_bytes=direct_min)
             for p in model.parameters():
                 p.grad = torch.full_like(p, 0.001 * (1 + rank))  # owners' updates differ by rank
+            versions = [p._version for p in model.parameters()]
             calls.clear()
             before = _wchar()
             opt.step()
             sent = _wchar() - before
-            param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            # Every rank must now hold the owner's value (rounded to fp16 when not the owner).
-            worst = 0.0
-            for i, p in enumerate(model.parameters()):
-                owner = opt.partition.owners[i]
-                theirs = p.detach().clone()
-                torch.distributed.broadcast(theirs, src=owner)
-                expected = theirs if (opt.owns(i) or not fp16) else theirs.half().float()
-                worst = max(worst, (p.detach() - expected).abs().max().item())
-            out["fp16" if fp16 else "fp32"] = {
-                "sent": sent, "param_bytes": param_bytes, "collectives": len(calls), "worst": worst,
+            out[wire] = {
+                "sent": sent, "collectives": len(calls), "worst": _owner_values_everywhere(opt, model, fp16),
+                "versions_bumped": all(p._version > v for p, v in zip(model.parameters(), versions)),
             }
-        # Mixed fp32 + bf16: one stream (and so one collective here) per dtype.
+        # Mixed fp32 + bf16 small layers (below the direct size): one stream per dtype.
         model = mixed_mlp()
         opt = OSS(model.parameters(), optim=SGD, lr=0.1)
         for p in model.parameters():
@@ -85,36 +94,35 @@ def _sync_bytes(rank: int, world_size: int) -> dict[str, Any]:
         calls.clear()
         opt.step()
         out["mixed_collectives"] = len(calls)
+        out["mixed_worst"] = _owner_values_everywhere(opt, model, False)
     finally:
         comm.all_gather_into = real  # type: ignore[assignment]
     return out
 
 
 @needs_proc_io
-def test_param_sync_sends_n_minus_1_over_n_of_param_bytes_in_one_collective_per_bucket() -> None:
-    print("\nOSS post-step sync, bytes written per rank (wchar) vs (N-1)/N x parameter bytes")
+def test_param_sync_sends_exactly_the_owned_bytes_to_each_peer() -> None:
+    print("\nOSS post-step sync, bytes written per rank (wchar) vs the payload")
+    matrix = 256 * 256 * 4
     for world_size in (2, 3, 4):
         results = run_ranks(_sync_bytes, world_size, timeout_s=60)
-        for wire in ("fp32", "fp16"):
-            for rank, r in enumerate(results):
+        plan = partition_by_size([matrix] * 16, world_size)
+        for rank, r in enumerate(results):
+            assert r["mixed_collectives"] == 2 and r["mixed_worst"] == 0.0, r  # an fp32 and a bf16 stream
+            for wire in ("direct", "streams", "fp16"):
                 rec = r[wire]
                 assert rec["worst"] == 0.0, (world_size, wire, rank, rec)
-                assert rec["collectives"] == 1, rec  # 4 MiB gathered fits one 16 MiB bucket
-                assert r["mixed_collectives"] == 2  # an fp32 and a bf16 stream
-            param_bytes = results[0][wire]["param_bytes"]
-            ideal = (world_size - 1) / world_size * param_bytes * (0.5 if wire == "fp16" else 1.0)
-            plan = partition_by_size([256 * 256 * 4] * 16, world_size)
-            # All-gather pads every rank's stream to the longest one; that is the exact payload.
-            payload = (world_size - 1) * max(plan.rank_bytes) * (0.5 if wire == "fp16" else 1.0)
-            sent = [r[wire]["sent"] for r in results]
-            print(f"  N={world_size} {wire}: sent {sent}, ideal {ideal:.0f}, padded payload {payload:.0f}")
-            for s in sent:
-                assert payload <= s <= payload * 1.02 + 16 * 1024, (world_size, wire, s, payload)
-        fp32 = [r["fp32"]["sent"] for r in results]
-        fp16 = [r["fp16"]["sent"] for r in results]
-        ratios = [h / f for h, f in zip(fp16, fp32)]
-        print(f"  N={world_size} broadcast_fp16 / fp32 bytes: {[round(x, 3) for x in ratios]}")
-        assert all(0.49 <= x <= 0.51 for x in ratios), ratios
+                assert rec["versions_bumped"], (world_size, wire, rank)  # as an in-place update would
+                # direct: no all-gather at all; packed: 4 MiB gathered fits one 16 MiB bucket
+                assert rec["collectives"] == (0 if wire == "direct" else 1), (wire, rec)
+                if wire == "direct":
+                    payload = (world_size - 1) * plan.rank_bytes[rank]  # own bytes to each peer, no padding
+                else:  # all-gather pads every rank's stream to the longest one
+                    payload = (world_size - 1) * max(plan.rank_bytes) * (0.5 if wire == "fp16" else 1.0)
+                assert payload <= rec["sent"] <= payload * 1.02 + 16 * 1024, (world_size, wire, rank, rec, payload)
+        ideal = (world_size - 1) / world_size * 16 * matrix
+        for wire in ("direct", "streams", "fp16"):
+            print(f"  N={world_size} {wire}: sent {[r[wire]['sent'] for r in results]}, (N-1)/N x params {ideal:.0f}")
 
 
 def _gather_chunks(rank: int, world_size: int) -> dict[str, Any]:
