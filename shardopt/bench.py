@@ -1,7 +1,12 @@
 """``shardopt bench``: modes side by side on the same model, data and seed, compared with DDP.
 
 Each mode runs in its own launch (its own processes and process group), so no mode's
-allocations or sockets leak into another's figures. Every rank measures itself (see
+allocations or sockets leak into another's figures. With ``--rounds R`` the whole list of
+modes runs R times, interleaved (ddp, zero2, ..., ddp, zero2, ...), and each mode's median
+step is taken over the steps of all its rounds: on a shared machine the speed drifts over
+minutes, and interleaving spreads that drift over every mode instead of charging it to
+whichever mode ran during a slow spell (two back-to-back single-round runs of ddp and zero2
+on the 2-core test machine gave zero2/ddp time ratios of 1.02 and 1.08). Every rank measures itself (see
 :mod:`shardopt.runner`); rank 0 of each run saves the final full parameters, and this
 process compares them with DDP's (max |param - DDP param|) and divides each mode's time,
 heap and bytes by DDP's. Results go to a rich table, optionally JSON and a matplotlib plot.
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +32,7 @@ from shardopt import runner
 from shardopt.cli_render import machine_info, mib, write_json
 from shardopt.modes import MODES
 
-__all__ = ["ModeResult", "bench_rank", "run_bench"]
+__all__ = ["ModeResult", "bench_rank", "merge_rounds", "run_bench"]
 
 Launcher = Callable[..., dict[int, Any]]
 
@@ -99,36 +105,41 @@ def run_bench(args: argparse.Namespace, names: list[str], world: int, threads: i
         The exit code.
     """
     console = Console()
-    results: list[ModeResult] = []
+    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
+    diffs: dict[str, float] = {name: 0.0 for name in names}
+    rounds: int = args.rounds
     with tempfile.TemporaryDirectory(prefix="shardopt-bench-") as tmp:
-        reference: dict[str, torch.Tensor] | None = None
-        base: ModeResult | None = None
-        for name in names:
-            params_path = os.path.join(tmp, f"{name}.pt")
-            job = runner.TrainJob(mode=name, preset=args.model, steps=args.steps, batch_size=args.batch_size,
-                                  lr=args.lr, seed=args.seed, warmup_steps=args.warmup_steps,
-                                  params_out=params_path, threads_per_rank=threads)
-            with console.status(f"bench: {name} on {world} ranks ({args.steps} steps)"):
-                ranks = launch("bench", bench_rank, world, job)[0]
-            params = torch.load(params_path, weights_only=True)
-            os.remove(params_path)
-            if reference is None:
-                reference = params
-            diff = _max_diff(reference, params)
-            result = ModeResult(name, ranks, diff, None, None, None)
-            if base is not None:
-                result = ModeResult(
-                    name, ranks, diff,
-                    _ratio(result.worst("median_step_s"), base.worst("median_step_s")),
-                    _ratio(result.worst("heap_after_step"), base.worst("heap_after_step")),
-                    _ratio(result.worst("bytes_per_step"), base.worst("bytes_per_step")),
-                )
-            else:
-                result = ModeResult(name, ranks, diff, 1.0, 1.0, 1.0)
-                base = result
-            results.append(result)
-            console.print(f"bench: {name} done, median step "
-                          f"{1000 * (result.worst('median_step_s') or float('nan')):.1f} ms")
+        for round_index in range(rounds):
+            reference: dict[str, torch.Tensor] | None = None
+            for name in names:
+                params_path = os.path.join(tmp, f"{name}.pt")
+                job = runner.TrainJob(mode=name, preset=args.model, steps=args.steps, batch_size=args.batch_size,
+                                      lr=args.lr, seed=args.seed, warmup_steps=args.warmup_steps,
+                                      params_out=params_path, threads_per_rank=threads)
+                where = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
+                with console.status(f"bench: {name} on {world} ranks ({args.steps} steps){where}"):
+                    ranks = launch("bench", bench_rank, world, job)[0]
+                params = torch.load(params_path, weights_only=True)
+                os.remove(params_path)
+                if reference is None:
+                    reference = params
+                diffs[name] = max(diffs[name], _max_diff(reference, params))
+                runs[name].append(ranks)
+                median = max(r["median_step_s"] or float("nan") for r in ranks)
+                console.print(f"bench: {name}{where} done, median step {1000 * median:.1f} ms")
+    results: list[ModeResult] = []
+    for name in names:
+        ranks = merge_rounds(runs[name])
+        result = ModeResult(name, ranks, diffs[name], 1.0, 1.0, 1.0)
+        if results:
+            base = results[0]
+            result = ModeResult(
+                name, ranks, diffs[name],
+                _ratio(result.worst("median_step_s"), base.worst("median_step_s")),
+                _ratio(result.worst("heap_after_step"), base.worst("heap_after_step")),
+                _ratio(result.worst("bytes_per_step"), base.worst("bytes_per_step")),
+            )
+        results.append(result)
     wide = console if console.is_terminal else Console(width=170)
     wide.print(bench_table(args, world, results))
     if args.json:
@@ -136,11 +147,42 @@ def run_bench(args: argparse.Namespace, names: list[str], world: int, threads: i
             "command": "bench", "machine": machine_info(), "world_size": world, "threads_per_rank": threads,
             "model": args.model, "num_params": results[0].ranks[0]["num_params"], "steps": args.steps,
             "warmup_steps": args.warmup_steps, "batch_size": args.batch_size, "seed": args.seed,
-            "results": [{**r.__dict__} for r in results],
+            "rounds": rounds, "results": [{**r.__dict__} for r in results],
         })
     if args.plot:
         plot(results, args.plot, f"{args.model}, {world} ranks")
     return 0
+
+
+def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One report per rank from several rounds of the same mode.
+
+    Step times are pooled and their median recomputed; heap, bytes and device peaks take the
+    largest round (they repeat to within a page, so this only guards against an outlier).
+
+    Args:
+        rounds: each round's per-rank reports (dicts, as ``bench_rank`` returns them).
+
+    Returns:
+        The merged per-rank reports, with ``rounds`` and ``round_median_step_s`` added.
+    """
+    merged = []
+    for per_round in zip(*rounds):
+        first = dict(per_round[0])
+        times = [t for r in per_round for t in r["step_times_s"]]
+
+        def largest(key: str) -> Any:
+            values = [r[key] for r in per_round]
+            return None if any(v is None for v in values) else max(values)
+
+        first.update(
+            step_times_s=times, counted_steps=len(times), median_step_s=statistics.median(times) if times else None,
+            heap_after_step=largest("heap_after_step"), heap_peak=largest("heap_peak"),
+            bytes_per_step=largest("bytes_per_step"), device_peak=largest("device_peak"),
+            rounds=len(per_round), round_median_step_s=[r["median_step_s"] for r in per_round],
+        )
+        merged.append(first)
+    return merged
 
 
 def _per_rank(result: ModeResult, key: str, fmt: Callable[[Any], str]) -> str:
@@ -163,12 +205,14 @@ def bench_table(args: argparse.Namespace, world: int, results: list[ModeResult])
         The rich table.
     """
     counted = results[0].ranks[0]["counted_steps"]
+    rounds = results[0].ranks[0].get("rounds", 1)
+    pooled = f" ({rounds} interleaved rounds pooled)" if rounds > 1 else ""
     table = Table(
         title=f"shardopt bench: model {args.model} ({results[0].ranks[0]['num_params'] / 1e6:.2f}M params), Adam, "
               f"{world} ranks, batch {args.batch_size}",
         caption=f"MiB per rank (rank 0 / rank 1 / ...); heap = malloc'ed bytes above the value before the model "
-                f"was built; sent = /proc/self/io wchar per step; median over {counted} steps after "
-                f"{args.warmup_steps} warm-up, ranks barrier-aligned; ratios against ddp (worst rank)",
+                f"was built; sent = /proc/self/io wchar per step; median over {counted} steps{pooled} after "
+                f"{args.warmup_steps} warm-up each, ranks barrier-aligned; ratios against ddp (worst rank)",
     )
     on_gpu = any(rank["device_peak"] is not None for r in results for rank in r.ranks)
     for column in ("mode", "heap after step", "heap peak", *(("GPU peak",) if on_gpu else ()), "sent/step",

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default=None,
                        help="comma-separated modes (default: every shardopt mode and installed peer); "
                             f"known: {', '.join(MODES)}")
+    bench.add_argument("--rounds", type=_positive_int, default=1,
+                       help="run the list of modes this many times, interleaved, and pool each mode's step "
+                            "times (default 1; use 3+ on a shared or noisy machine)")
     bench.add_argument("--plot", metavar="PNG", default=None, help="draw the comparison (needs matplotlib)")
 
     est = sub.add_parser("estimate", help="model-state bytes per rank (ZeRO paper formulas)",

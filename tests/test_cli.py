@@ -8,6 +8,7 @@ import json
 import re
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 import shardopt.nn.fsdp
+from shardopt.bench import merge_rounds
 from shardopt.cli import main
 from shardopt.models import PRESETS
 
@@ -189,6 +191,36 @@ def test_bench_compares_modes_with_ddp_in_json_and_table(tmp_path: Any, capfd: p
     table = capfd.readouterr().out
     for text in ("heap after step", "sent/step", "median step ms", "max|p - p_ddp|", "zero2", "torch-zero"):
         assert text in table, text
+
+
+def test_bench_rounds_interleave_and_pool_step_times(tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--steps", "3", "--warmup-steps", "1", "--modes", "zero2", "--rounds", "2",
+                 "--json", str(out)]) == 0
+    data = _json(out)
+    assert data["rounds"] == 2
+    for r in data["results"]:
+        for rank in r["ranks"]:
+            assert rank["rounds"] == 2 and len(rank["round_median_step_s"]) == 2
+            assert rank["counted_steps"] == len(rank["step_times_s"]) == 4  # 2 rounds x (3 - 1 warm-up)
+            assert rank["median_step_s"] == statistics.median(rank["step_times_s"])
+        assert r["max_param_diff"] == 0.0
+    printed = capfd.readouterr().out
+    # interleaved: ddp, zero2, ddp, zero2
+    order = [line.split()[1] for line in printed.splitlines() if line.startswith("bench: ") and "done" in line]
+    assert order == ["ddp", "zero2", "ddp", "zero2"], order
+    assert "2 interleaved rounds pooled" in printed
+
+
+def test_merge_rounds_pools_times_and_keeps_the_largest_memory() -> None:
+    def report(times: list[float], heap: int) -> dict[str, Any]:
+        return {"rank": 0, "step_times_s": times, "median_step_s": statistics.median(times), "counted_steps": 2,
+                "heap_after_step": heap, "heap_peak": heap + 1, "bytes_per_step": 10.0, "device_peak": None}
+
+    merged = merge_rounds([[report([1.0, 5.0], 7)], [report([2.0, 3.0], 9)]])
+    assert merged == [{"rank": 0, "step_times_s": [1.0, 5.0, 2.0, 3.0], "median_step_s": 2.5, "counted_steps": 4,
+                       "heap_after_step": 9, "heap_peak": 10, "bytes_per_step": 10.0, "device_peak": None,
+                       "rounds": 2, "round_median_step_s": [3.0, 2.5]}]
 
 
 def _installed(name: str) -> bool:
