@@ -42,6 +42,7 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "all_to_all",
+    "all_to_all_pieces",
     "barrier",
     "broadcast",
     "broadcast_object",
@@ -215,6 +216,35 @@ def all_to_all(
                 output, input, list(output_splits), list(input_splits), group=group, async_op=True
             )
     return PendingWork(label, work, (output, input))
+
+
+def all_to_all_pieces(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group: ProcessGroup | None,
+    label: str = "all_to_all",
+) -> PendingWork:
+    """Send ``inputs[r]`` to rank ``r`` and receive rank ``r``'s piece into ``outputs[r]``.
+
+    The pieces are separate tensors (sizes may differ per rank, and be zero), so a caller
+    never needs one large contiguous buffer. ``outputs[rank]`` may be ``inputs[rank]``
+    itself: this rank's own piece is then not copied.
+    """
+    size, me = group_size(group), group_rank(group)
+    if outputs[me] is not inputs[me]:
+        outputs[me].copy_(inputs[me])
+    if size == 1:
+        return PendingWork(label)
+    outs = list(outputs)
+    with torch.profiler.record_function(label):
+        if prefers_point_to_point(group, inputs[me].device):
+            peers = [(me + k) % size for k in range(1, size)]
+            work: Any = _post([(inputs[r], r) for r in peers], [(outs[r], r) for r in peers], group, _ALL_TO_ALL_TAG)
+        else:
+            if outs[me] is inputs[me]:
+                outs[me] = torch.empty_like(inputs[me])  # the backend wants distinct tensors
+            work = dist.all_to_all(outs, list(inputs), group=group, async_op=True)
+    return PendingWork(label, work, (*outs, *outputs, *inputs))
 
 
 def exchange(

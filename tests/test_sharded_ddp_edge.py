@@ -319,7 +319,7 @@ def _steps_vs_ddp(sharded: nn.Module, ddp_model: nn.Module, sdp: ShardedDataPara
     return rel_diff(sharded, ddp_model)
 
 
-_COLLECTIVES = ("all_to_all_single", "all_reduce", "broadcast", "barrier", "all_gather_object",
+_COLLECTIVES = ("all_to_all_single", "all_to_all", "all_reduce", "broadcast", "barrier", "all_gather_object",
                 "broadcast_object_list", "send_object_list", "recv_object_list", "all_gather_into_tensor",
                 "reduce_scatter_tensor", "all_gather", "reduce", "send", "recv", "isend", "irecv", "gather",
                 "scatter")
@@ -352,19 +352,19 @@ def count_collectives() -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def count_bucket_sends() -> Iterator[list[str]]:
-    """Record every bucket send (``comm.all_to_all``, whatever the backend does with it)."""
+    """Record every bucket send (``comm.all_to_all_pieces``, whatever the backend does with it)."""
     calls: list[str] = []
-    real = comm.all_to_all
+    real = comm.all_to_all_pieces
 
     def call(*args: Any, **kwargs: Any) -> comm.PendingWork:
         calls.append(str(kwargs.get("label")))
         return real(*args, **kwargs)
 
-    comm.all_to_all = call  # type: ignore[assignment]
+    comm.all_to_all_pieces = call  # type: ignore[assignment]
     try:
         yield calls
     finally:
-        comm.all_to_all = real  # type: ignore[assignment]
+        comm.all_to_all_pieces = real  # type: ignore[assignment]
 
 
 def _degenerate(rank: int, world_size: int) -> dict[str, Any]:

@@ -6,7 +6,7 @@ Note [reduce to owner]
 ZeRO-2 needs each gradient summed onto the one rank that owns its parameter. A bucket holds
 several gradients; its send buffer is laid out by destination rank: first the gradients of
 the parameters rank 0 owns, then rank 1's, and so on, each destination's part followed by
-one "used" flag per parameter. One ``all_to_all`` then sends every rank exactly the part it
+one "used" flag per parameter. One all-to-all then sends every rank exactly the part it
 owns, from every rank, and the owner adds the ``N`` copies in rank order. Per rank this
 sends ``(N-1)/N`` of the bucket, and the post-step all-gather of the updated parameters
 sends another ``(N-1)/N`` of the parameters: together the ``2(N-1)/N`` a ring all-reduce
@@ -21,6 +21,16 @@ each iteration, by a gradient or by zeros with a zero flag.
 The plan must be identical on every rank (the all-to-all splits must agree), so it depends
 only on parameter order, shapes, dtypes and owners, never on the order gradients arrive.
 Buckets are launched strictly in index order for the same reason.
+
+Note [bucket pieces]
+Each destination's part of a bucket is its own tensor, not a slice of one buffer, and the
+owner's own part is summed straight from its send piece. A bucket of the default 2**23 fp32
+elements is 32 MiB: as one buffer it is at glibc's ceiling for serving allocations from the
+heap (``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on 64-bit), so it was mmap'ed and unmapped again
+every backward, and its pages faulted in anew each time. With pieces (16 MiB each at 2
+ranks) the allocator reuses freed heap memory. On the 27M-parameter GPT at 2 ranks, minor
+page faults per step fell from 40-59 thousand to 21-29 thousand (DDP: 11-20 thousand), and
+the ZeRO-2/DDP step-time ratio of 4 interleaved bench rounds from 1.02-1.04 to 0.93-1.00.
 """
 
 from __future__ import annotations
@@ -163,8 +173,15 @@ class GradBucket:
         self._scale = scale
         self._position = {p: k for k, p in enumerate(spec.params)}
         self.state = BucketState.EMPTY
-        self._send: torch.Tensor | None = None
+        self._send: list[torch.Tensor] | None = None
         self._filled: set[int] = set()
+        # Where each parameter's gradient and flag sit inside its owner's piece.
+        base = [sum(spec.splits[:r]) for r in range(len(spec.splits))]
+        self._slot = [(o, spec.offsets[k] - base[o], spec.flag_offsets[k] - base[o]) for k, o in enumerate(spec.owners)]
+
+    def _allocate(self) -> list[torch.Tensor]:
+        """One send piece per destination (Note [bucket pieces])."""
+        return [torch.empty(n, dtype=self.spec.wire_dtype, device=self.spec.device) for n in self.spec.splits]
 
     def _to(self, state: BucketState) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -183,7 +200,7 @@ class GradBucket:
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Copy ``grad * scale`` into the parameter's slot and set its flag."""
         if self.state is BucketState.EMPTY:
-            self._send = torch.empty(self.spec.numel, dtype=self.spec.wire_dtype, device=self.spec.device)
+            self._send = self._allocate()
             self._to(BucketState.FILLING)
         if self.state is not BucketState.FILLING:
             raise AssertionError(
@@ -194,32 +211,39 @@ class GradBucket:
         if k in self._filled:
             raise AssertionError(f"[rank {self._rank}] parameter {k} of bucket {self.spec.index} filled twice")
         assert self._send is not None
-        start = self.spec.offsets[k]
-        torch.mul(grad.reshape(-1), self._scale, out=self._send[start : start + param.numel()])
-        self._send[self.spec.flag_offsets[k]] = 1
+        owner, start, flag = self._slot[k]
+        piece = self._send[owner]
+        torch.mul(grad.reshape(-1), self._scale, out=piece[start : start + param.numel()])
+        piece[flag] = 1
         self._filled.add(k)
 
-    def launch(self, group: comm.ProcessGroup | None, num_ranks: int) -> tuple[comm.PendingWork, torch.Tensor]:
-        """Zero the slots nobody filled, send, and return (pending work, receive buffer)."""
+    def launch(
+        self, group: comm.ProcessGroup | None, num_ranks: int
+    ) -> tuple[comm.PendingWork, list[torch.Tensor]]:
+        """Zero the slots nobody filled, send, and return (pending work, received pieces).
+
+        The received pieces are indexed by source rank; this rank's own is its send piece.
+        """
         if self.state is BucketState.EMPTY:
-            self._send = torch.empty(self.spec.numel, dtype=self.spec.wire_dtype, device=self.spec.device)
+            self._send = self._allocate()
             self._to(BucketState.FILLING)
         assert self._send is not None
         for k, param in enumerate(self.spec.params):
             if k not in self._filled:
-                start = self.spec.offsets[k]
-                self._send[start : start + param.numel()].zero_()
-                self._send[self.spec.flag_offsets[k]] = 0
+                owner, start, flag = self._slot[k]
+                self._send[owner][start : start + param.numel()].zero_()
+                self._send[owner][flag] = 0
         mine = self.spec.splits[self._rank]
-        recv = torch.empty(num_ranks * mine, dtype=self.spec.wire_dtype, device=self.spec.device)
-        pending = comm.all_to_all(
-            recv, self._send, [mine] * num_ranks, self.spec.splits, group, label="shardopt::sdp::reduce"
-        )
+        recv = [
+            self._send[r] if r == self._rank else torch.empty(mine, dtype=self.spec.wire_dtype, device=self.spec.device)
+            for r in range(num_ranks)
+        ]
+        pending = comm.all_to_all_pieces(recv, self._send, group, label="shardopt::sdp::reduce")
         self._filled.clear()
         self._to(BucketState.IN_FLIGHT)
         return pending, recv
 
-    def unpack(self, recv: torch.Tensor, num_ranks: int) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+    def unpack(self, recv: list[torch.Tensor], num_ranks: int) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         """Sum the received copies (rank order) into this rank's reduced gradients.
 
         Returns:
@@ -231,20 +255,18 @@ class GradBucket:
             return self._reduced(recv, num_ranks)
         finally:
             # The transfer is complete; see Note [release scratch buffers] in shardopt.buckets.
-            release_storage(recv)
-            if self._send is not None:
-                release_storage(self._send)
-                self._send = None
+            for piece in recv + (self._send or []):
+                release_storage(piece)
+            self._send = None
 
-    def _reduced(self, recv: torch.Tensor, num_ranks: int) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+    def _reduced(
+        self, recv: list[torch.Tensor], num_ranks: int
+    ) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         mine = [k for k, owner in enumerate(self.spec.owners) if owner == self._rank]
         if not mine:
             return []
-        width = self.spec.splits[self._rank]
-        rows = recv.view(num_ranks, width)
         param_dtype = self.spec.params[mine[0]].dtype
-        if rows.dtype != param_dtype:
-            rows = rows.to(param_dtype)
+        rows = [row if row.dtype == param_dtype else row.to(param_dtype) for row in recv]
         # One pass for the first sum (no clone), then in place; rank order either way.
         total = rows[0] + rows[1] if num_ranks > 1 else rows[0].clone()
         for r in range(2, num_ranks):

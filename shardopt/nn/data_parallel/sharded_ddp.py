@@ -146,7 +146,7 @@ class ShardedDataParallel(nn.Module):
         self._buckets: list[GradBucket] = []
         self._bucket_of: dict[nn.Parameter, GradBucket] = {}
         self._next_launch = 0
-        self._in_flight: deque[tuple[GradBucket, comm.PendingWork, torch.Tensor]] = deque()
+        self._in_flight: deque[tuple[GradBucket, comm.PendingWork, list[torch.Tensor]]] = deque()
         self._callback_queued = False
         self._set_aside: dict[nn.Parameter, torch.Tensor] = {}
         self._written: dict[nn.Parameter, weakref.ref[torch.Tensor]] = {}
@@ -340,7 +340,7 @@ class ShardedDataParallel(nn.Module):
         while len(self._in_flight) > _MAX_BUCKETS_IN_FLIGHT:
             self._finish(*self._in_flight.popleft())
 
-    def _finish(self, bucket: GradBucket, pending: comm.PendingWork, recv: torch.Tensor) -> None:
+    def _finish(self, bucket: GradBucket, pending: comm.PendingWork, recv: list[torch.Tensor]) -> None:
         pending.wait()
         for param, reduced in bucket.unpack(recv, self.world_size):
             kept = self._set_aside.pop(param, None)
