@@ -78,21 +78,20 @@ class _Stream:
 
 @dataclass
 class _InFlightChunk:
-    """One chunk's all-gather in flight and where its pieces go once it lands.
+    """One chunk's transfer in flight and where its pieces go once it lands.
 
     Attributes:
-        pending: the collective's record (keeps ``recv`` alive until waited).
+        pending: the transfer's record (keeps the pieces alive until waited).
         stream: the (device, dtype) stream the chunk belongs to.
         begin: offset of the chunk in every rank's stream.
-        length: elements each rank contributed.
-        recv: the gathered chunk, ``num_ranks * length`` elements in rank order.
+        pieces: each rank's contribution, by rank (views of one gathered buffer, or
+            separate tensors of each rank's own length when sent point to point).
     """
 
     pending: comm.PendingWork
     stream: _Stream
     begin: int
-    length: int
-    recv: torch.Tensor
+    pieces: list[torch.Tensor]
 
 
 class ParamGather:
@@ -170,12 +169,7 @@ class ParamGather:
             chunk = max(1, self._bucket_bytes // (self._num_ranks * element_bytes))
             chunk = min(chunk, stream.longest)
             for begin in range(0, stream.longest, chunk):
-                length = min(chunk, stream.longest - begin)
-                recv = torch.empty(self._num_ranks * length, dtype=wire, device=stream.device)
-                mine = recv[self._rank * length : (self._rank + 1) * length]
-                self._pack(stream, self._rank, begin, mine)
-                pending = comm.all_gather_into(recv, mine, self._group, label="shardopt::oss::param_gather")
-                in_flight.append(_InFlightChunk(pending, stream, begin, length, recv))
+                in_flight.append(self._issue(stream, wire, begin, min(chunk, stream.longest - begin)))
                 if len(in_flight) >= _MAX_CHUNKS_IN_FLIGHT:
                     self._finish(in_flight.popleft())
         while in_flight:
@@ -196,14 +190,36 @@ class ParamGather:
         recvs = [(p.detach().view(-1), owner) for owner in peers for p in self._direct[owner]]
         return comm.exchange(sends, recvs, self._group, label="shardopt::oss::param_gather")
 
+    def _issue(self, stream: _Stream, wire: torch.dtype, begin: int, length: int) -> _InFlightChunk:
+        """Pack this rank's part of a chunk and start sending it to every other rank.
+
+        All-gathered, every rank's part is ``length`` elements (padded). Point to point, each
+        rank sends only what its stream has in the window, so nothing is padded.
+        """
+        label = "shardopt::oss::param_gather"
+        me, n = self._rank, self._num_ranks
+        if comm.prefers_point_to_point(self._group, stream.device):
+            sizes = [max(0, min(length, stream.starts_by_rank[r][-1] - begin)) for r in range(n)]
+            pieces = [torch.empty(size, dtype=wire, device=stream.device) for size in sizes]
+            self._pack(stream, me, begin, pieces[me])
+            peers = [(me + k) % n for k in range(1, n)]
+            pending = comm.exchange([(pieces[me], r) for r in peers], [(pieces[r], r) for r in peers], self._group,
+                                    label=label)
+        else:
+            recv = torch.empty(n * length, dtype=wire, device=stream.device)
+            pieces = list(recv.view(n, length))
+            self._pack(stream, me, begin, pieces[me])
+            pending = comm.all_gather_into(recv, pieces[me], self._group, label=label)
+        return _InFlightChunk(pending, stream, begin, pieces)
+
     def _finish(self, chunk: _InFlightChunk) -> None:
         """Wait for ``chunk`` and copy the other ranks' pieces into their parameters."""
         chunk.pending.wait()
-        n = chunk.length
-        for rank in range(self._num_ranks):
+        for rank, piece in enumerate(chunk.pieces):
             if rank != self._rank:
-                self._unpack(chunk.stream, rank, chunk.begin, chunk.recv[rank * n : (rank + 1) * n])
-        release_storage(chunk.recv)  # see Note [release scratch buffers]
+                self._unpack(chunk.stream, rank, chunk.begin, piece)
+        for piece in chunk.pieces:
+            release_storage(piece)  # see Note [release scratch buffers]
 
     @staticmethod
     def _overlaps(stream: _Stream, rank: int, begin: int, length: int) -> list[tuple[torch.Tensor, int, int, int]]:

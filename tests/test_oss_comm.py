@@ -8,8 +8,10 @@ with write/writev, which the kernel counts there) around the sync.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,14 +37,26 @@ def _wchar() -> int:
     raise AssertionError("no wchar in /proc/self/io")
 
 
-def _count_gathers(monkey: list[int]) -> Any:
-    real = comm.all_gather_into
+@contextlib.contextmanager
+def count_transfers() -> Iterator[list[str]]:
+    """Record every bulk transfer the sync starts (an all-gather, or a point-to-point exchange)."""
+    calls: list[str] = []
+    saved = {name: getattr(comm, name) for name in ("all_gather_into", "exchange")}
 
-    def counting(*args: Any, **kwargs: Any) -> comm.PendingWork:
-        monkey.append(1)
-        return real(*args, **kwargs)
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> comm.PendingWork:
+            calls.append(name)
+            return saved[name](*args, **kwargs)
 
-    return real, counting
+        return call
+
+    for name in saved:
+        setattr(comm, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(comm, name, fn)
 
 
 def _wide_model() -> nn.Module:
@@ -64,10 +78,7 @@ def _owner_values_everywhere(opt: OSS, model: nn.Module, fp16: bool) -> float:
 
 def _sync_bytes(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    calls: list[int] = []
-    real, counting = _count_gathers(calls)
-    comm.all_gather_into = counting  # type: ignore[assignment]
-    try:
+    with count_transfers() as calls:
         # direct: every 256 KiB matrix moves owner -> peers (Note [direct parameter transfers]);
         # streams: the same matrices packed (direct transfers off); fp16: packed, half the bytes.
         for wire, fp16, direct_min in (("direct", False, None), ("streams", False, 2**40), ("fp16", True, None)):
@@ -95,8 +106,6 @@ def _sync_bytes(rank: int, world_size: int) -> dict[str, Any]:
         opt.step()
         out["mixed_collectives"] = len(calls)
         out["mixed_worst"] = _owner_values_everywhere(opt, model, False)
-    finally:
-        comm.all_gather_into = real  # type: ignore[assignment]
     return out
 
 
@@ -113,12 +122,10 @@ def test_param_sync_sends_exactly_the_owned_bytes_to_each_peer() -> None:
                 rec = r[wire]
                 assert rec["worst"] == 0.0, (world_size, wire, rank, rec)
                 assert rec["versions_bumped"], (world_size, wire, rank)  # as an in-place update would
-                # direct: no all-gather at all; packed: 4 MiB gathered fits one 16 MiB bucket
-                assert rec["collectives"] == (0 if wire == "direct" else 1), (wire, rec)
-                if wire == "direct":
-                    payload = (world_size - 1) * plan.rank_bytes[rank]  # own bytes to each peer, no padding
-                else:  # all-gather pads every rank's stream to the longest one
-                    payload = (world_size - 1) * max(plan.rank_bytes) * (0.5 if wire == "fp16" else 1.0)
+                # direct: one exchange for every parameter; packed: 4 MiB fits one 16 MiB chunk
+                assert rec["collectives"] == 1, (wire, rec)
+                # Point to point (gloo) nothing is padded: each rank sends its own bytes to each peer.
+                payload = (world_size - 1) * plan.rank_bytes[rank] * (0.5 if wire == "fp16" else 1.0)
                 assert payload <= rec["sent"] <= payload * 1.02 + 16 * 1024, (world_size, wire, rank, rec, payload)
         ideal = (world_size - 1) / world_size * 16 * matrix
         for wire in ("direct", "streams", "fp16"):
@@ -126,31 +133,37 @@ def test_param_sync_sends_exactly_the_owned_bytes_to_each_peer() -> None:
 
 
 def _gather_chunks(rank: int, world_size: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    params = [torch.zeros(n) for n in (70, 33, 5, 128, 1, 64)] + [torch.zeros(3, dtype=torch.bfloat16)]
-    sizes = [p.numel() * p.element_size() for p in params]
-    plan = partition_by_size(sizes, world_size)
-    for i, p in enumerate(params):
-        if plan.owners[i] == rank:
-            p.copy_(torch.arange(p.numel(), dtype=p.dtype) + 1000 * i)
-    calls: list[int] = []
-    real, counting = _count_gathers(calls)
-    comm.all_gather_into = counting  # type: ignore[assignment]
-    try:
-        ParamGather(params, plan, rank, None, bucket_bytes=96).gather()  # 96 bytes gathered per chunk
-    finally:
-        comm.all_gather_into = real  # type: ignore[assignment]
-    ok = all(torch.equal(p, torch.arange(p.numel(), dtype=p.dtype) + 1000 * i) for i, p in enumerate(params))
-    longest_fp32 = max(
-        sum(params[i].numel() for i in plan.indices_of(r) if params[i].dtype == torch.float32)
-        for r in range(world_size)
-    )
-    chunk = 96 // (world_size * 4)  # fp32 elements each rank contributes per collective
-    return {"ok": ok, "calls": len(calls), "expected_calls": math.ceil(longest_fp32 / chunk) + 1}
+    out: dict[str, Any] = {}
+    real = comm.prefers_point_to_point
+    # gloo's point-to-point path, then the all-gather path NCCL takes (forced here on gloo).
+    for path, prefers in (("p2p", real), ("all_gather", lambda group, device: False)):
+        comm.prefers_point_to_point = prefers  # type: ignore[assignment]
+        try:
+            torch.manual_seed(0)
+            params = [torch.zeros(n) for n in (70, 33, 5, 128, 1, 64)] + [torch.zeros(3, dtype=torch.bfloat16)]
+            sizes = [p.numel() * p.element_size() for p in params]
+            plan = partition_by_size(sizes, world_size)
+            for i, p in enumerate(params):
+                if plan.owners[i] == rank:
+                    p.copy_(torch.arange(p.numel(), dtype=p.dtype) + 1000 * i)
+            with count_transfers() as calls:
+                ParamGather(params, plan, rank, None, bucket_bytes=96).gather()  # 96 bytes gathered per chunk
+        finally:
+            comm.prefers_point_to_point = real  # type: ignore[assignment]
+        ok = all(torch.equal(p, torch.arange(p.numel(), dtype=p.dtype) + 1000 * i) for i, p in enumerate(params))
+        longest_fp32 = max(
+            sum(params[i].numel() for i in plan.indices_of(r) if params[i].dtype == torch.float32)
+            for r in range(world_size)
+        )
+        chunk = 96 // (world_size * 4)  # fp32 elements each rank contributes per collective
+        out[path] = {"ok": ok, "calls": calls, "expected_calls": math.ceil(longest_fp32 / chunk) + 1}
+    return out
 
 
 def test_small_buckets_split_the_sync_into_ceil_longest_over_bucket_collectives() -> None:
     for world_size in (2, 3, 4):
         for r in run_ranks(_gather_chunks, world_size, timeout_s=60):
-            assert r["ok"]
-            assert r["calls"] == r["expected_calls"], r  # per chunk, never per parameter
+            for path, kind in (("p2p", "exchange"), ("all_gather", "all_gather_into")):
+                assert r[path]["ok"], (world_size, path)
+                # per chunk, never per parameter
+                assert r[path]["calls"] == [kind] * r[path]["expected_calls"], (world_size, path, r[path])
