@@ -146,8 +146,24 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-def _fork_is_safe() -> bool:
-    return sys.platform.startswith("linux") and not (torch.cuda.is_available() and torch.cuda.is_initialized())
+# Note [forkserver, not fork]
+# The elastic agent runs rendezvous threads in this process, and one of them may be inside
+# glibc's getaddrinfo (which holds the resolver's lock) at the moment a rank is forked: the
+# child then waits for that lock forever. A 4-rank bench hung that way (two ranks blocked in
+# get_locked_global, resolv_conf.c). So ranks come from a fork server: a process started once,
+# single-threaded, with torch and shardopt already imported, which forks each rank as fast as
+# fork did without inheriting anyone's threads. spawn is the fallback off Linux or once CUDA
+# is initialised here.
+_PRELOAD = ["torch", "torch._dynamo", "shardopt.runner", "shardopt.bench"]
+
+
+def _start_method() -> str:
+    if not sys.platform.startswith("linux") or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return "spawn"
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+    return "forkserver"
 
 
 def _free_port() -> int:
@@ -160,8 +176,8 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
     """Run ``entry(*args)`` on ``world_size`` local ranks with torch's elastic launcher.
 
     Under ``torchrun`` this process already is one rank: ``entry`` runs here and the result
-    is keyed by the global rank. Otherwise ``elastic_launch`` starts the ranks (forked on
-    Linux when CUDA is untouched, spawned otherwise) with a c10d rendezvous on the loopback
+    is keyed by the global rank. Otherwise ``elastic_launch`` starts the ranks (from a fork
+    server on Linux, Note [forkserver, not fork]; spawned otherwise) with a c10d rendezvous on the loopback
     interface, and no restarts: a failing rank stops them all.
 
     Args:
@@ -181,7 +197,7 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"shardopt-{os.getpid()}-{time.monotonic_ns()}",
-        max_restarts=0, monitor_interval=0.1, start_method="fork" if _fork_is_safe() else "spawn",
+        max_restarts=0, monitor_interval=0.1, start_method=_start_method(),
     )
     return dict(elastic_launch(config, entry)(*args))
 
