@@ -129,17 +129,11 @@ def run_bench(args: argparse.Namespace, names: list[str], world: int, threads: i
                 console.print(f"bench: {name}{where} done, median step {1000 * median:.1f} ms")
     results: list[ModeResult] = []
     for name in names:
-        ranks = merge_rounds(runs[name])
-        result = ModeResult(name, ranks, diffs[name], 1.0, 1.0, 1.0)
-        if results:
-            base = results[0]
-            result = ModeResult(
-                name, ranks, diffs[name],
-                _ratio(result.worst("median_step_s"), base.worst("median_step_s")),
-                _ratio(result.worst("heap_after_step"), base.worst("heap_after_step")),
-                _ratio(result.worst("bytes_per_step"), base.worst("bytes_per_step")),
-            )
-        results.append(result)
+        raw = ModeResult(name, merge_rounds(runs[name]), diffs[name], None, None, None)
+        base = results[0] if results else raw  # ddp, the first mode, is compared with itself
+        results.append(ModeResult(raw.mode, raw.ranks, raw.max_param_diff, *(
+            _ratio(raw.worst(key), base.worst(key)) for key in ("median_step_s", "heap_after_step", "bytes_per_step")
+        )))
     wide = console if console.is_terminal else Console(width=170)
     wide.print(bench_table(args, world, results))
     if args.json:

@@ -74,6 +74,7 @@ class _Stream:
     params_by_rank: tuple[tuple[torch.Tensor, ...], ...]
     starts_by_rank: tuple[tuple[int, ...], ...]  # stream offset of each param
     longest: int
+    point_to_point: bool  # chunks go point to point, unpadded (else one all-gather each)
 
 
 @dataclass
@@ -146,7 +147,8 @@ class ParamGather:
                     total += p.numel()
                 starts.append(tuple(offsets + [total]))
             self._streams.append(
-                _Stream(device, dtype, tuple(tuple(ps) for ps in by_rank), tuple(starts), max(s[-1] for s in starts))
+                _Stream(device, dtype, tuple(tuple(ps) for ps in by_rank), tuple(starts), max(s[-1] for s in starts),
+                        comm.prefers_point_to_point(group, device))
             )
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -185,9 +187,9 @@ class ParamGather:
         """Start the direct transfers (Note [direct parameter transfers]); ``None`` if none."""
         if not any(self._direct):
             return None
-        peers = [(self._rank + k) % self._num_ranks for k in range(1, self._num_ranks)]
-        sends = [(p.detach().view(-1), peer) for peer in peers for p in self._direct[self._rank]]
-        recvs = [(p.detach().view(-1), owner) for owner in peers for p in self._direct[owner]]
+        others = comm.peers(self._rank, self._num_ranks)
+        sends = [(p.detach().view(-1), peer) for peer in others for p in self._direct[self._rank]]
+        recvs = [(p.detach().view(-1), owner) for owner in others for p in self._direct[owner]]
         return comm.exchange(sends, recvs, self._group, label="shardopt::oss::param_gather")
 
     def _issue(self, stream: _Stream, wire: torch.dtype, begin: int, length: int) -> _InFlightChunk:
@@ -198,12 +200,12 @@ class ParamGather:
         """
         label = "shardopt::oss::param_gather"
         me, n = self._rank, self._num_ranks
-        if comm.prefers_point_to_point(self._group, stream.device):
+        if stream.point_to_point:
             sizes = [max(0, min(length, stream.starts_by_rank[r][-1] - begin)) for r in range(n)]
             pieces = [torch.empty(size, dtype=wire, device=stream.device) for size in sizes]
             self._pack(stream, me, begin, pieces[me])
-            peers = [(me + k) % n for k in range(1, n)]
-            pending = comm.exchange([(pieces[me], r) for r in peers], [(pieces[r], r) for r in peers], self._group,
+            others = comm.peers(me, n)
+            pending = comm.exchange([(pieces[me], r) for r in others], [(pieces[r], r) for r in others], self._group,
                                     label=label)
         else:
             recv = torch.empty(n * length, dtype=wire, device=stream.device)

@@ -49,6 +49,7 @@ __all__ = [
     "exchange",
     "group_rank",
     "group_size",
+    "peers",
     "prefers_point_to_point",
     "require_initialized",
     "recv_object",
@@ -120,6 +121,11 @@ def _post(
     return _AllOf(works)
 
 
+def peers(rank: int, size: int) -> list[int]:
+    """Every other rank of a group of ``size``, starting after ``rank`` (a ring order)."""
+    return [(rank + k) % size for k in range(1, size)]
+
+
 def prefers_point_to_point(group: ProcessGroup | None, device: torch.device) -> bool:
     """Whether bulk data for ``device`` moves fastest point to point on ``group``.
 
@@ -180,8 +186,8 @@ def all_gather_into(
             source, pieces = input.view(-1), output.view(size, n)
             if pieces[me].data_ptr() != source.data_ptr():
                 pieces[me].copy_(source)
-            peers = [(me + k) % size for k in range(1, size)]
-            work: Any = _post([(source, r) for r in peers], [(pieces[r], r) for r in peers], group, _GATHER_TAG)
+            others = peers(me, size)
+            work: Any = _post([(source, r) for r in others], [(pieces[r], r) for r in others], group, _GATHER_TAG)
         else:
             work = _all_gather_single(output, input, group=group, async_op=True)
     return PendingWork(label, work, (output, input))
@@ -204,17 +210,14 @@ def all_to_all(
     if size == 1:
         output.copy_(input)
         return PendingWork(label)
+    if prefers_point_to_point(group, output.device):
+        pending = all_to_all_pieces(output.split(list(output_splits)), input.split(list(input_splits)), group, label)
+        pending.buffers = (output, input)
+        return pending
     with torch.profiler.record_function(label):
-        if prefers_point_to_point(group, output.device):
-            me = group_rank(group)
-            outs, ins = output.split(list(output_splits)), input.split(list(input_splits))
-            peers = [(me + k) % size for k in range(1, size)]
-            work: Any = _post([(ins[r], r) for r in peers], [(outs[r], r) for r in peers], group, _ALL_TO_ALL_TAG)
-            outs[me].copy_(ins[me])  # while the peers' pieces travel
-        else:
-            work = dist.all_to_all_single(
-                output, input, list(output_splits), list(input_splits), group=group, async_op=True
-            )
+        work = dist.all_to_all_single(
+            output, input, list(output_splits), list(input_splits), group=group, async_op=True
+        )
     return PendingWork(label, work, (output, input))
 
 
@@ -238,8 +241,8 @@ def all_to_all_pieces(
     outs = list(outputs)
     with torch.profiler.record_function(label):
         if prefers_point_to_point(group, inputs[me].device):
-            peers = [(me + k) % size for k in range(1, size)]
-            work: Any = _post([(inputs[r], r) for r in peers], [(outs[r], r) for r in peers], group, _ALL_TO_ALL_TAG)
+            others = peers(me, size)
+            work: Any = _post([(inputs[r], r) for r in others], [(outs[r], r) for r in others], group, _ALL_TO_ALL_TAG)
         else:
             if outs[me] is inputs[me]:
                 outs[me] = torch.empty_like(inputs[me])  # the backend wants distinct tensors

@@ -87,7 +87,7 @@ def _compare(rank: int, world_size: int) -> dict[str, Any]:
     finally:
         comm.prefers_point_to_point = real  # type: ignore[assignment]
     # exchange: each rank sends its k-th tensor to every peer; peers receive in that order.
-    peers = [(rank + k) % world_size for k in range(1, world_size)]
+    peers = comm.peers(rank, world_size)
     mine = [torch.full((k + 1,), float(10 * rank + k)) for k in range(3)]
     got = {peer: [torch.empty(k + 1) for k in range(3)] for peer in peers}
     comm.exchange([(t, p) for p in peers for t in mine], [(t, p) for p in peers for t in got[p]], None).wait()
