@@ -11,8 +11,11 @@ Note [hook order]
   identity autograd function whose backward is this unit's post-backward;
 * post-forward: with autograd off, reshard (nothing will come back for the gathered
   parameters; the root also reshards any prefetched unit a no-grad forward left gathered);
-  with autograd on, reshard unless the strategy keeps parameters to the backward, and hook
-  every output tensor that requires grad with the pre-backward hook;
+  with autograd on, hook every output tensor that requires grad with the pre-backward
+  hook, then reshard, or, where the strategy keeps parameters to the backward (the root,
+  SHARD_GRAD_OP, NO_SHARD), hold: shard views and sharded gradients again, the gathered
+  buffer kept (Note [held between forward and backward] in ``unit``), so ``zero_grad``, a
+  stray forward or an optimizer step in between behave as with DDP;
 * pre-backward (first gradient of any output): queue the root's end-of-backward callback
   once, unshard, optionally prefetch the unit that runs next in backward;
 * post-backward (gradients of all forward inputs computed, counted over every forward of
@@ -49,7 +52,7 @@ from torch.utils import _pytree as pytree
 from shardopt import comm
 from shardopt.nn.fsdp import grad_norm, optim_state, sharded_state
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
-from shardopt.nn.fsdp.hooks import PostBackward, tensors_in
+from shardopt.nn.fsdp.hooks import PostBackward, has_opaque, tensors_in
 from shardopt.nn.fsdp.init import make_config, materialize
 from shardopt.nn.fsdp.state import (
     BackwardPrefetch,
@@ -350,15 +353,21 @@ class FullyShardedDataParallel(nn.Module):
                     m._unit.reshard_()
                 self._exec_order_done = True
             return
-        if self._config.reshard_after_forward and not self._is_root:
-            self._unit.reshard_()
         hook = functools.partial(FullyShardedDataParallel._pre_backward, self)
+        hooked = False
         for t in tensors_in(out):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 # Owned by the output tensor: it fires at most once per backward through
                 # it and dies with it, so no handle is kept (a forward without backward
                 # would otherwise leave handles behind).
                 t.register_hook(hook)
+                hooked = True
+        if self._config.reshard_after_forward and not self._is_root:
+            self._unit.reshard_()
+        elif hooked or not has_opaque(out):
+            self._unit.hold_()  # Note [held between forward and backward] in unit
+        # else: an output FSDP cannot look into; staying gathered lets the next forward
+        # name a backward that never reached the hooks (_check_unseen_backward).
         if self._is_root:
             self._exec_order_done = True
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PostBackward", "tensors_in"]
+__all__ = ["PostBackward", "has_opaque", "tensors_in"]
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -25,6 +25,20 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from tensors_in(getattr(obj, f.name))
+
+
+def has_opaque(obj: Any) -> bool:
+    """Whether ``obj`` holds something :func:`tensors_in` cannot look into (a custom object
+    that may hide tensors), as opposed to tensors, containers and plain Python values."""
+    if obj is None or isinstance(obj, (torch.Tensor, bool, int, float, complex, str, bytes)):
+        return False
+    if isinstance(obj, dict):
+        return any(has_opaque(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(has_opaque(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(has_opaque(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return True
 
 
 class PostBackward(torch.autograd.Function):

@@ -169,11 +169,16 @@ class ShardedState(enum.Enum):
         GATHERING: an all-gather into the full buffer is in flight (a prefetch).
         UNSHARDED: the full buffer holds every rank's values; original parameters are views
             of it with their original shapes.
+        HELD: between a forward and its backward (Note [held between forward and backward]
+            in ``unit``): the full buffer still holds the forward's values, but the original
+            parameters are 1-D shard views again, so an optimizer, ``zero_grad`` or a state
+            dict between the two sees the sharded parameters and their sharded gradients.
     """
 
     SHARDED = "sharded"
     GATHERING = "gathering"
     UNSHARDED = "unsharded"
+    HELD = "held"
 
     def advance(self, new: ShardedState, rank: int) -> ShardedState:
         """Check that ``self -> new`` is allowed and return ``new``.
@@ -184,7 +189,8 @@ class ShardedState(enum.Enum):
         allowed = {
             ShardedState.SHARDED: {ShardedState.GATHERING, ShardedState.UNSHARDED},
             ShardedState.GATHERING: {ShardedState.UNSHARDED},
-            ShardedState.UNSHARDED: {ShardedState.SHARDED},
+            ShardedState.UNSHARDED: {ShardedState.SHARDED, ShardedState.HELD},
+            ShardedState.HELD: {ShardedState.UNSHARDED, ShardedState.SHARDED},
         }
         if new not in allowed[self]:
             raise AssertionError(f"[rank {rank}] FSDP sharded state cannot go from {self.name} to {new.name}")

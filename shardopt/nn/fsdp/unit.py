@@ -24,6 +24,20 @@ per step (two all-gathers and this), SHARD_GRAD_OP 1.0x, as in the ZeRO paper. W
 ranks the sum of two copies is DDP's sum, bit for bit. CUDA tensors use the backend's
 reduce-scatter.
 
+Note [held between forward and backward]
+A unit that keeps its gathered parameters from forward to backward (the root, every unit
+under SHARD_GRAD_OP and NO_SHARD) used to stay UNSHARDED in between, with its sharded
+gradients in the stash. Then nothing between forward and backward saw the real gradients
+or parameters: ``zero_grad`` (which Lightning calls exactly there) cleared nothing and the
+stash added the previous step's gradients back, and an ``optimizer.step()`` after a stray
+forward (one whose output is never backpropagated) found full-shaped parameters without
+gradients and skipped them. Now the post-forward puts the original parameters back on
+their shard views and their sharded gradients back on them (state HELD) and keeps only
+the gathered buffer. The pre-backward points them at the buffer again without a gather,
+as long as no parameter changed in place since (its version counter, bumped by every
+in-place update such as an optimizer step); otherwise it gathers anew. Autograd saved the
+parameters themselves for backward, so they see whatever they point at when it runs.
+
 Note [average like DDP]
 DDP multiplies each local gradient by ``1/N`` (a reciprocal, not a division) and then sums
 over ranks. The reduction here does exactly that before the reduce-scatter (or all-reduce),
@@ -105,6 +119,9 @@ class Unit:
         """Full-size local gradients summed under ``no_sync``, not yet reduced."""
         self.stash: list[torch.Tensor | None] = []
         """Sharded gradients moved aside while full views are in use (Note [gradient stash])."""
+        self.held_versions: list[int] = []
+        """The parameters' version counters when the unit became HELD (Note [held between
+        forward and backward]); the held buffer is current while they are unchanged."""
         self.forward_calls = 0
         """Forwards with autograd on since the last backward finished."""
         self.hooked_calls = 0
@@ -137,6 +154,11 @@ class Unit:
         handle = self.handle
         if handle is None or self.sharded_state is ShardedState.UNSHARDED:
             return
+        if self.sharded_state is ShardedState.HELD:
+            if self.held_versions == [p._version for p in handle.params]:
+                self._show_full()  # the forward's gathered values are still current
+                return
+            self.reshard_()  # a parameter changed in place since the forward: gather anew
         if self.sharded_state is ShardedState.GATHERING:
             if not async_op:
                 self._complete_gather()
@@ -182,6 +204,36 @@ class Unit:
         self.handle.use_views(self.handle.full_views)
         self.sharded_state = self.sharded_state.advance(ShardedState.UNSHARDED, self.rank)
 
+    def _show_shards(self) -> None:
+        """Point the originals back at their shard pieces and give them their sharded gradients."""
+        handle = self.handle
+        assert handle is not None
+        if any(p.grad is not None for p in handle.params):
+            # Gradients on full views are this step's, not yet reduced (Note [gradient stash]).
+            raise ValueError(
+                f"[rank {self.rank}] FSDP unit {self.name or 'root'!r} holds gradients that were never reduced: a "
+                "backward ran without reaching FSDP's hooks. Return tensors (or lists, tuples, dicts or "
+                "dataclasses of tensors) from forward so FSDP can hook them"
+            )
+        handle.use_shard_views()
+        for p, g in zip(handle.params, self.stash):
+            p.grad = g
+        self.stash = []
+        self.prefetched = False
+
+    def hold_(self) -> None:
+        """After a forward: shard views again, the gathered buffer kept for the backward
+        (Note [held between forward and backward]).
+
+        Raises:
+            ValueError: as :meth:`reshard_`.
+        """
+        if self.handle is None or self.sharded_state is not ShardedState.UNSHARDED:
+            return
+        self._show_shards()
+        self.held_versions = [p._version for p in self.handle.params]
+        self.sharded_state = self.sharded_state.advance(ShardedState.HELD, self.rank)
+
     def reshard_(self) -> None:
         """Point the originals back at their shard pieces, free the full buffer, restore grads.
 
@@ -194,19 +246,10 @@ class Unit:
             return
         if self.sharded_state is ShardedState.GATHERING:
             self._complete_gather()
-        if any(p.grad is not None for p in handle.params):
-            # Gradients on full views are this step's, not yet reduced (Note [gradient stash]).
-            raise ValueError(
-                f"[rank {self.rank}] FSDP unit {self.name or 'root'!r} holds gradients that were never reduced: a "
-                "backward ran without reaching FSDP's hooks. Return tensors (or lists, tuples, dicts or "
-                "dataclasses of tensors) from forward so FSDP can hook them"
-            )
-        handle.use_shard_views()
+        if self.sharded_state is ShardedState.UNSHARDED:
+            self._show_shards()
         handle.free_full()
-        for p, g in zip(handle.params, self.stash):
-            p.grad = g
-        self.stash = []
-        self.prefetched = False
+        self.held_versions = []
         self.sharded_state = self.sharded_state.advance(ShardedState.SHARDED, self.rank)
 
     # ----------------------------------------------------------------- gradients
