@@ -42,27 +42,13 @@ import torch
 from shardopt import comm
 from shardopt.partition import Partition
 
-__all__ = ["ParamGather", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_GATHER_BUCKET_BYTES", "release_storage"]
+__all__ = ["ParamGather", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_GATHER_BUCKET_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GATHER_BUCKET_BYTES = 2**24
 DEFAULT_DIRECT_MIN_BYTES = 2**18
 _MAX_CHUNKS_IN_FLIGHT = 2
-
-
-def release_storage(buffer: torch.Tensor) -> None:
-    """Free a scratch buffer's memory now, whoever else still holds the tensor object.
-
-    Note [release scratch buffers]
-    When ``work.wait()`` returns, the backend's worker thread may still hold its reference
-    to the buffers for a moment (gloo drops it after signalling completion), so letting the
-    last Python reference go does not free the memory deterministically: a heap reading right
-    after ``step()`` saw one gathered chunk still alive on some ranks. The transfer is
-    complete, so nothing reads the buffer any more; shrinking its storage to zero frees the
-    memory at once. Only for buffers this library allocated and no longer needs.
-    """
-    buffer.untyped_storage().resize_(0)
 
 
 @dataclass(frozen=True)
@@ -221,7 +207,7 @@ class ParamGather:
             if rank != self._rank:
                 self._unpack(chunk.stream, rank, chunk.begin, piece)
         for piece in chunk.pieces:
-            release_storage(piece)  # see Note [release scratch buffers]
+            comm.release_storage(piece)  # see Note [release scratch buffers] in comm
 
     @staticmethod
     def _overlaps(stream: _Stream, rank: int, begin: int, length: int) -> list[tuple[torch.Tensor, int, int, int]]:

@@ -24,6 +24,24 @@ order they were posted (its TCP pair keeps a FIFO queue per slot), and it builds
 its collectives with a per-algorithm prefix in the top byte, so small point-to-point tags
 never meet them. Each function here uses its own tag, so their messages never cross. NCCL
 keeps its collectives, which are what it is fast at.
+
+Note [reduce-scatter on gloo]
+gloo's reduce-scatter costs as much as an all-reduce (every rank sends the whole buffer).
+For CPU tensors on gloo, :func:`reduce_scatter` instead sends slice ``r`` of the input to
+rank ``r`` with one all-to-all and adds the ``N`` received copies in rank order, so each
+rank sends ``(N-1)/N`` of the buffer: ZeRO-3's FULL_SHARD then sends 1.5x what DDP's ring
+all-reduce does per step (two all-gathers and this), SHARD_GRAD_OP 1.0x, as in the ZeRO
+paper. With two ranks the sum of two copies is DDP's sum, bit for bit. Other backends use
+their own reduce-scatter.
+
+Note [release scratch buffers]
+When ``work.wait()`` returns, the backend's worker thread may still hold its reference to
+the buffers for a moment (gloo drops it after signalling completion), so letting the last
+Python reference go does not free the memory deterministically: a heap reading right after
+``step()`` saw one gathered chunk still alive on some ranks. The transfer is complete, so
+nothing reads the buffer any more; :func:`release_storage` shrinks its storage to zero and
+frees the memory at once. Only for buffers shardopt allocated and no longer needs (and for
+FSDP's full parameter buffer between phases, whose views must stay valid objects).
 """
 
 from __future__ import annotations
@@ -54,6 +72,7 @@ __all__ = [
     "require_initialized",
     "recv_object",
     "reduce_scatter",
+    "release_storage",
     "send_object",
     "wait_all",
 ]
@@ -90,6 +109,12 @@ class PendingWork:
             self.work.wait()
             self.work = None
         self.buffers = ()
+
+
+def release_storage(buffer: torch.Tensor) -> None:
+    """Free a buffer's memory now, whoever else still holds the tensor object (Note [release
+    scratch buffers]); the tensor and its views stay valid objects of size-0 storage."""
+    buffer.untyped_storage().resize_(0)
 
 
 def wait_all(pending: Iterable[PendingWork]) -> None:
@@ -271,13 +296,37 @@ def exchange(
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, label: str = "reduce_scatter"
 ) -> PendingWork:
-    """Sum ``input`` over ranks and leave rank ``r`` the ``r``-th equal slice in ``output``."""
-    if group_size(group) == 1:
+    """Sum ``input`` over ranks and leave rank ``r`` the ``r``-th equal slice in ``output``.
+
+    ``output`` holds the result once the record is waited. On gloo with CPU tensors this is
+    an all-to-all and a rank-order sum (Note [reduce-scatter on gloo]).
+    """
+    size = group_size(group)
+    if size == 1:
         output.copy_(input.view_as(output))
         return PendingWork(label)
+    if prefers_point_to_point(group, input.device):
+        rows = torch.empty_like(input)
+        splits = [output.numel()] * size
+        pending = all_to_all(rows, input, splits, splits, group, label)
+        return PendingWork(label, _SumRows(pending, rows.view(size, -1), output), (rows, input, output))
     with torch.profiler.record_function(label):
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return PendingWork(label, work, (output, input))
+
+
+class _SumRows:
+    """Wait for an all-to-all that left every rank's copy of this rank's slice in ``rows``,
+    then add the copies in rank order into ``output`` (Note [reduce-scatter on gloo])."""
+
+    def __init__(self, pending: PendingWork, rows: torch.Tensor, output: torch.Tensor) -> None:
+        self._pending, self._rows, self._output = pending, rows, output
+
+    def wait(self) -> None:
+        self._pending.wait()
+        self._output.copy_(self._rows[0])
+        for row in self._rows[1:]:
+            self._output.add_(row)
 
 
 def all_reduce(

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import torch
 
 from shardopt import comm
-from shardopt.buckets import release_storage
 
 __all__ = ["BucketSpec", "BucketState", "GradBucket", "plan_buckets"]
 
@@ -256,7 +255,7 @@ class GradBucket:
         finally:
             # The transfer is complete; see Note [release scratch buffers] in shardopt.buckets.
             for piece in recv + (self._send or []):
-                release_storage(piece)
+                comm.release_storage(piece)
             self._send = None
 
     def _reduced(

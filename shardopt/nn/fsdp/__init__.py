@@ -1,7 +1,7 @@
 """ZeRO stage 3: ``FullyShardedDataParallel`` on flat-parameter units, with its policies."""
 
-from shardopt.nn.fsdp.api import FullyShardedDataParallel
-from shardopt.nn.fsdp.state import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from shardopt.nn.fsdp.fully_sharded import FullyShardedDataParallel
+from shardopt.nn.fsdp.options import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from shardopt.nn.fsdp.wrap import ModuleClassPolicy, NameGlobPolicy, SizePolicy
 
 __all__ = [

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardopt import comm
+
 __all__ = ["FlatLayout", "FlatParamHandle", "ParamSlot"]
 
 
@@ -180,11 +182,7 @@ class FlatParamHandle:
     def free_full(self) -> None:
         """Release the full buffer's memory (its views stay valid objects)."""
         if not self.full_is_shard:
-            self._free(self.full)
-
-    @staticmethod
-    def _free(tensor: torch.Tensor) -> None:
-        tensor.untyped_storage().resize_(0)
+            comm.release_storage(self.full)
 
     def gather_source(self) -> torch.Tensor:
         """This rank's contribution to the all-gather of the full buffer (compute dtype)."""

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from shardopt import comm
-from shardopt.nn.fsdp.state import UnitConfig
+from shardopt.nn.fsdp.options import UnitConfig
 
 __all__ = ["clip_grad_norm"]
 

@@ -2,8 +2,41 @@
 
 A :class:`Unit` belongs to one ``FullyShardedDataParallel`` wrapper. It owns the flat
 parameter handle (``None`` for a unit without parameters, whose phases are no-ops) and
-moves it between :class:`~shardopt.nn.fsdp.state.ShardedState` values through checked
-transitions. Every transfer goes through :mod:`shardopt.comm`.
+moves it between :class:`~shardopt.nn.fsdp.records.ShardedState` values through checked
+transitions. Every transfer goes through :mod:`shardopt.comm`. Its wrapper calls
+:meth:`Unit.pre_forward` and :meth:`Unit.post_forward` around the wrapped module; autograd
+calls :meth:`Unit.pre_backward` and :meth:`Unit.post_backward`; what all units of one step
+share lives in their :class:`~shardopt.nn.fsdp.context.StepContext`.
+
+Note [hook order]
+* pre-forward: unshard this unit (waiting on a prefetch), record the execution order in the
+  first step, optionally prefetch the next unit, wrap the forward's tensor inputs in an
+  identity autograd function whose backward is this unit's post-backward;
+* post-forward: with autograd off, reshard (nothing will come back for the gathered
+  parameters; the root also reshards any prefetched unit a no-grad forward left gathered);
+  with autograd on, hook every output tensor that requires grad with the pre-backward
+  hook, then reshard, or, where the strategy keeps parameters to the backward (the root,
+  SHARD_GRAD_OP, NO_SHARD), hold: shard views and sharded gradients again, the gathered
+  buffer kept (Note [held between forward and backward]), so ``zero_grad``, a
+  stray forward or an optimizer step in between behave as with DDP;
+* pre-backward (first gradient of any output): queue the step context's end-of-backward
+  callback once, unshard, optionally prefetch the unit that runs next in backward;
+* post-backward (gradients of all forward inputs computed, counted over every forward of
+  the unit in this step): reduce-scatter the unit's gradients and reshard;
+* a forward with autograd on while a backward runs (activation checkpointing recomputing
+  a unit) only unshards: the unit stays gathered for the backward that needs it;
+* end of backward (the context's callback): reduce, in module-tree order, every unit whose
+  post-backward could not fire (inputs without grad, e.g. token ids into the root), wait for
+  all reductions, write sharded gradients, reshard everything.
+Units whose post-backward fires in a hook do so in backward order, which is the same on
+every rank, and the rest follow in a fixed order, so collectives match across ranks.
+
+Why not a post-accumulate-grad hook per parameter (the house default): its firing depends
+on which parameters this rank used, so a parameter unused on one rank only would make that
+rank skip or delay the unit's reduce-scatter while the others issue it (a mismatched
+collective). The input hook fires when the unit's backward is done whatever was used, and
+missing gradients are reduced as zeros. AccumulateGrad nodes run before other ready nodes,
+so every gradient of the unit has landed when it fires.
 
 Note [gradient stash]
 Gradients live on the original parameters. While a unit is sharded, ``p.grad`` is a 1-D
@@ -14,15 +47,6 @@ Newly reduced gradients are then added to whatever the restored ``p.grad`` holds
 gradient accumulation across steps without ``no_sync``; under ``no_sync`` the full-size
 local gradients are summed into :attr:`Unit.grad_accumulator` and reduced at the next
 synchronised backward, in the same order DDP adds them (``g1 + g2``, then ``* (1/N)``).
-
-Note [reduce-scatter on gloo]
-gloo's reduce-scatter costs as much as an all-reduce (every rank sends the whole buffer).
-On CPU tensors (gloo) the unit instead sends shard ``r`` of its gradient buffer to rank
-``r`` with one ``all_to_all`` and adds the ``N`` received copies in rank order, so each rank
-sends ``(N-1)/N`` of the buffer: FULL_SHARD then sends 1.5x what DDP's ring all-reduce does
-per step (two all-gathers and this), SHARD_GRAD_OP 1.0x, as in the ZeRO paper. With two
-ranks the sum of two copies is DDP's sum, bit for bit. CUDA tensors use the backend's
-reduce-scatter.
 
 Note [held between forward and backward]
 A unit that keeps its gathered parameters from forward to backward (the root, every unit
@@ -48,13 +72,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from shardopt import comm
 from shardopt.nn.fsdp.flat_param import FlatParamHandle, ParamSlot
-from shardopt.nn.fsdp.state import ShardedState, UnitConfig
+from shardopt.nn.fsdp.hooks import PostBackward, has_opaque, tensors_in
+from shardopt.nn.fsdp.options import BackwardPrefetch, UnitConfig
+from shardopt.nn.fsdp.records import ForwardKind, ShardedState, StepCounts, TrainingState
+
+if TYPE_CHECKING:
+    from shardopt.nn.fsdp.context import StepContext
 
 __all__ = ["PendingReduce", "SummonRecord", "Unit"]
 
@@ -68,8 +99,7 @@ class PendingReduce:
     Attributes:
         unit: the unit whose gradients are being reduced.
         work: the reduce-scatter (or all-reduce for NO_SHARD) in flight.
-        reduced: where the reduced shard lands (reduce dtype); on gloo every rank's copy of
-            this rank's shard, one row per rank, summed by ``finish_reduce_``.
+        reduced: where the reduced shard lands (reduce dtype).
         trainable: the parameters that required grad when the reduction started.
     """
 
@@ -77,8 +107,6 @@ class PendingReduce:
     work: comm.PendingWork
     reduced: torch.Tensor
     trainable: list[tuple[nn.Parameter, ParamSlot]] = field(default_factory=list)
-    rows: int = 1
-    """How many ranks' copies of the shard ``reduced`` holds, still to be summed (gloo)."""
 
 
 @dataclass
@@ -122,17 +150,13 @@ class Unit:
         self.held_versions: list[int] = []
         """The parameters' version counters when the unit became HELD (Note [held between
         forward and backward]); the held buffer is current while they are unchanged."""
-        self.forward_calls = 0
-        """Forwards with autograd on since the last backward finished."""
-        self.hooked_calls = 0
-        """Of those, forwards whose inputs carry the post-backward hook."""
-        self.post_backward_calls = 0
-        """Post-backward hooks that fired in the current backward."""
-        self.reduced = False
-        """Whether this step's gradients have been reduced (or accumulated under no_sync)."""
-        self.backward_seen = False
-        """A gradient of one of this unit's outputs arrived in the current backward (set even
-        when no forward is pending, e.g. a second backward through a retained graph)."""
+        self.counts = StepCounts()
+        """This step's forward/backward bookkeeping, reset by :meth:`reset_step_`."""
+        self.training_state = TrainingState.IDLE
+        self.context: StepContext | None = None
+        """The per-step state shared with every unit of the root's tree (set by :meth:`attach`)."""
+        self.is_root: bool | None = None
+        """Whether this unit's wrapper is the root; ``None`` until the root's first forward."""
         self.prefetched = False
         """Gathered by a prefetch and not yet used by a forward or backward."""
 
@@ -143,6 +167,142 @@ class Unit:
 
     def _label(self, phase: str) -> str:
         return f"shardopt::fsdp::{phase}::{self.name or 'root'}"
+
+    # ----------------------------------------------------------------- hook-driven steps
+    def attach(self, context: StepContext, is_root: bool) -> None:
+        """Join the root's per-step context (the root's first forward does this for every unit)."""
+        self.context = context
+        self.is_root = is_root
+
+    def _ctx(self) -> StepContext:
+        if self.context is None:
+            raise AssertionError(f"[rank {self.rank}] FSDP unit {self.name!r} runs without a step context")
+        return self.context
+
+    def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any, ForwardKind]:
+        """Before the wrapped module's forward (Note [hook order]): gather, record, prefetch,
+        cast inputs to ``param_dtype`` and hook them with the post-backward.
+
+        Returns:
+            The (cast, hooked) inputs and the kind of this forward call.
+
+        Raises:
+            ValueError: a previous backward never reached FSDP's hooks (root only).
+        """
+        ctx = self._ctx()
+        if self.is_root:
+            self._check_unseen_backward()
+        with torch.profiler.record_function("shardopt::fsdp::pre_forward"):
+            ctx.record(self)
+            self.unshard_()
+            self.prefetched = False
+            if not torch.is_grad_enabled():
+                kind = ForwardKind.NO_GRAD
+            elif ctx.callback_queued:
+                # Its reduction comes from the original forward's hook, or from the
+                # end-of-backward callback for reentrant checkpointing.
+                kind = ForwardKind.RECOMPUTE
+                self.counts.backward_seen = True
+            else:
+                kind = ForwardKind.TRAINING
+                self.counts.forward_calls += 1
+                self.training_state = self.training_state.advance(TrainingState.FORWARD_BACKWARD, self.rank)
+            if self.config.forward_prefetch:
+                ctx.prefetch(self, forward=True)
+            param_dtype = self.config.mixed_precision.param_dtype
+            if param_dtype is not None:
+                args, kwargs = pytree.tree_map_only(
+                    torch.Tensor, lambda t: t.to(param_dtype) if t.is_floating_point() else t, (args, kwargs)
+                )
+            if kind is ForwardKind.TRAINING:
+                args, kwargs = self._hook_inputs(args, kwargs)
+        return args, kwargs, kind
+
+    def _check_unseen_backward(self) -> None:
+        """Fail loudly when a backward ran that FSDP's hooks never saw (its gradients would
+        stay unreduced): a unit whose outputs FSDP cannot look into stays gathered to the
+        backward, so full gradients on it at the next forward mean no hook ran."""
+        if self.handle is None or self.sharded_state is not ShardedState.UNSHARDED:
+            return
+        if any(p.grad is not None for p in self.handle.params):
+            raise ValueError(
+                "a backward ran through this FullyShardedDataParallel model without reaching FSDP's hooks, so "
+                "its gradients were never reduced; return tensors (or lists, tuples, dicts or dataclasses of "
+                "tensors) from forward so FSDP can hook them"
+            )
+
+    def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = PostBackward.apply(self.post_backward, *[flat[i] for i in idx])
+        outs = (outs,) if len(idx) == 1 else outs
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        self.counts.hooked_calls += 1
+        return pytree.tree_unflatten(flat, spec)  # type: ignore[no-any-return]
+
+    def post_forward(self, out: Any, kind: ForwardKind) -> None:
+        """After the wrapped module's forward (Note [hook order]): hook the outputs with the
+        pre-backward, then reshard or hold (Note [held between forward and backward])."""
+        if kind is ForwardKind.RECOMPUTE:
+            return  # stays gathered for the backward that recomputes it
+        ctx = self._ctx()
+        with torch.profiler.record_function("shardopt::fsdp::post_forward"):
+            if kind is ForwardKind.NO_GRAD:
+                # Nothing comes back for these parameters: never leave a unit gathered after
+                # a no-grad forward, or the next forward would trust stale views (torch PR 110139).
+                self.reshard_()
+                if self.is_root:
+                    for unit in ctx.units:
+                        unit.reshard_()
+                    ctx.exec_order_done = True
+                return
+            hooked = False
+            for t in tensors_in(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    # Owned by the output tensor: it fires at most once per backward through
+                    # it and dies with it, so no handle is kept (a forward without backward
+                    # would otherwise leave handles behind).
+                    t.register_hook(self.pre_backward)
+                    hooked = True
+            if self.config.reshard_after_forward and not self.is_root:
+                self.reshard_()
+            elif hooked or not has_opaque(out):
+                self.hold_()
+            # else: an output FSDP cannot look into; staying gathered lets the next forward
+            # name a backward that never reached the hooks (_check_unseen_backward).
+            if self.is_root:
+                ctx.exec_order_done = True
+
+    def pre_backward(self, grad: torch.Tensor) -> None:
+        """Hook on the forward's outputs: the unit's backward starts (Note [hook order])."""
+        ctx = self._ctx()
+        ctx.queue_finish()
+        with torch.profiler.record_function("shardopt::fsdp::pre_backward"):
+            self.counts.backward_seen = True
+            self.unshard_()
+            self.prefetched = False
+            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                ctx.prefetch(self, forward=False)
+
+    def post_backward(self) -> None:
+        """The gradients of all the forward's inputs are computed; reduce once every forward
+        of this unit in the step has had its backward (Note [hook order])."""
+        c = self.counts
+        c.post_backward_calls += 1
+        if c.reduced or c.hooked_calls < c.forward_calls or c.post_backward_calls < c.forward_calls:
+            return  # another forward of this unit still has its backward to run
+        with torch.profiler.record_function("shardopt::fsdp::post_backward"):
+            self.reduce_()
+            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+                self._ctx().prefetch(self, forward=False)
+
+    def reduce_(self) -> None:
+        """Start this step's gradient reduction and keep it in flight in the step context."""
+        ctx = self._ctx()
+        ctx.track(self.reduce_grads_(ctx.no_sync))
 
     # ----------------------------------------------------------------- unshard / reshard
     def unshard_(self, async_op: bool = False) -> None:
@@ -255,7 +415,8 @@ class Unit:
     # ----------------------------------------------------------------- gradients
     def needs_reduction(self) -> bool:
         """Whether this step's backward still owes this unit a reduction (same on all ranks)."""
-        return (self.forward_calls > 0 or self.backward_seen) and not self.reduced
+        c = self.counts
+        return (c.forward_calls > 0 or c.backward_seen) and not c.reduced
 
     def reduce_grads_(self, no_sync: bool) -> PendingReduce | None:
         """Collect this step's local gradients, reshard, and start their reduction.
@@ -270,7 +431,7 @@ class Unit:
         Returns:
             The reduction in flight, or ``None`` (no trainable parameters, or ``no_sync``).
         """
-        self.reduced = True
+        self.counts.reduced = True
         handle = self.handle
         if handle is None:
             return None
@@ -311,15 +472,8 @@ class Unit:
         if self.config.shard_size == 1:
             work = comm.all_reduce(send, self.config.replicate_group, label=self._label("all_reduce"))
             return PendingReduce(self, work, send, trainable)
-        if handle.device.type == "cpu":  # gloo: Note [reduce-scatter on gloo]
-            shard = handle.layout.shard_numel
-            recv = torch.empty_like(send)
-            splits = [shard] * self.config.shard_size
-            work = comm.all_to_all(
-                recv, send, splits, splits, self.config.shard_group, label=self._label("reduce_scatter")
-            )
-            return PendingReduce(self, work, recv, trainable, rows=self.config.shard_size)
         out = torch.empty(handle.layout.shard_numel, dtype=reduce_dtype, device=handle.device)
+        # Note [reduce-scatter on gloo] in comm
         work = comm.reduce_scatter(out, send, self.config.shard_group, label=self._label("reduce_scatter"))
         return PendingReduce(self, work, out, trainable)
 
@@ -327,11 +481,6 @@ class Unit:
         """Wait for a reduction and add the reduced shard to the parameters' gradients."""
         self._wait(pending.work, "gradient reduction")
         reduced = pending.reduced
-        if pending.rows > 1:  # every rank's copy of this shard, summed in rank order
-            rows = reduced.view(pending.rows, -1)
-            reduced = rows[0].clone()
-            for row in rows[1:]:
-                reduced.add_(row)
         if self.config.shard_size > 1 and self.config.replicate_size > 1:
             comm.all_reduce(reduced, self.config.replicate_group, label=self._label("all_reduce")).wait()
         assert self.handle is not None
@@ -349,11 +498,7 @@ class Unit:
 
     def reset_step_(self) -> None:
         """Forget this step's forward/backward bookkeeping (end of backward)."""
-        self.forward_calls = 0
-        self.hooked_calls = 0
-        self.post_backward_calls = 0
-        self.reduced = False
-        self.backward_seen = False
+        self.counts.reset()
 
     # ----------------------------------------------------------------- summon
     def summon_(self, with_grads: bool, visible: bool, offload_to_cpu: bool) -> SummonRecord | None:

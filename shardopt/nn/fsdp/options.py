@@ -1,9 +1,9 @@
-"""Configuration and runtime-state types of ``FullyShardedDataParallel``.
+"""Configuration of ``FullyShardedDataParallel``: the public policy types
+(:class:`ShardingStrategy`, :class:`BackwardPrefetch`, :class:`MixedPrecision`), and the
+frozen per-wrapper configuration that nested units inherit (:class:`UnitConfig`), built and
+checked from the constructor's arguments by :func:`make_config`.
 
-Everything a unit decides from is here: the public policy types (:class:`ShardingStrategy`,
-:class:`BackwardPrefetch`, :class:`MixedPrecision`), the frozen per-wrapper configuration
-that nested units inherit (:class:`UnitConfig`), and the two state machines
-(:class:`TrainingState`, :class:`ShardedState`) each with one checked transition method.
+Runtime state lives in :mod:`shardopt.nn.fsdp.records`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
+from shardopt import comm
+
 __all__ = [
     "BackwardPrefetch",
     "MixedPrecision",
-    "ShardedState",
     "ShardingStrategy",
-    "TrainingState",
     "UnitConfig",
+    "make_config",
 ]
 
 
@@ -128,70 +129,74 @@ class UnitConfig:
         return self.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
-class TrainingState(enum.Enum):
-    """What a unit is doing; see :meth:`advance` for the allowed moves.
+def make_config(
+    strategy: ShardingStrategy,
+    process_group: Any,
+    device_mesh: Any,
+    mixed_precision: MixedPrecision | None,
+    forward_prefetch: bool,
+    backward_prefetch: BackwardPrefetch | None,
+    limit_all_gathers: bool,
+) -> UnitConfig:
+    """Check the constructor's policy arguments and resolve the process groups.
 
-    Attributes:
-        IDLE: between steps (also during optimizer steps).
-        FORWARD_BACKWARD: a forward ran with autograd on; its backward has not finished.
-        SUMMON_FULL_PARAMS: inside ``summon_full_params`` (forward is not allowed).
+    Returns:
+        The configuration every unit of the model shares.
+
+    Raises:
+        TypeError: a policy argument of the wrong type.
+        ValueError: process groups or device mesh that do not fit the strategy.
     """
-
-    IDLE = "idle"
-    FORWARD_BACKWARD = "forward_backward"
-    SUMMON_FULL_PARAMS = "summon_full_params"
-
-    def advance(self, new: TrainingState, rank: int) -> TrainingState:
-        """Check that ``self -> new`` is allowed and return ``new``.
-
-        Raises:
-            AssertionError: an internal ordering bug (user-reachable misuse is checked earlier
-                with a clear error).
-        """
-        allowed = {
-            TrainingState.IDLE: {TrainingState.FORWARD_BACKWARD, TrainingState.SUMMON_FULL_PARAMS, TrainingState.IDLE},
-            # a forward whose backward never came may be followed by a summon
-            TrainingState.FORWARD_BACKWARD: {
-                TrainingState.FORWARD_BACKWARD, TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS
-            },
-            TrainingState.SUMMON_FULL_PARAMS: {TrainingState.IDLE},
-        }
-        if new not in allowed[self]:
-            raise AssertionError(f"[rank {rank}] FSDP training state cannot go from {self.name} to {new.name}")
-        return new
-
-
-class ShardedState(enum.Enum):
-    """Where a unit's parameters live; see :meth:`advance`.
-
-    Attributes:
-        SHARDED: only this rank's shard exists; original parameters are 1-D views of it.
-        GATHERING: an all-gather into the full buffer is in flight (a prefetch).
-        UNSHARDED: the full buffer holds every rank's values; original parameters are views
-            of it with their original shapes.
-        HELD: between a forward and its backward (Note [held between forward and backward]
-            in ``unit``): the full buffer still holds the forward's values, but the original
-            parameters are 1-D shard views again, so an optimizer, ``zero_grad`` or a state
-            dict between the two sees the sharded parameters and their sharded gradients.
-    """
-
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    UNSHARDED = "unsharded"
-    HELD = "held"
-
-    def advance(self, new: ShardedState, rank: int) -> ShardedState:
-        """Check that ``self -> new`` is allowed and return ``new``.
-
-        Raises:
-            AssertionError: an internal ordering bug.
-        """
-        allowed = {
-            ShardedState.SHARDED: {ShardedState.GATHERING, ShardedState.UNSHARDED},
-            ShardedState.GATHERING: {ShardedState.UNSHARDED},
-            ShardedState.UNSHARDED: {ShardedState.SHARDED, ShardedState.HELD},
-            ShardedState.HELD: {ShardedState.UNSHARDED, ShardedState.SHARDED},
-        }
-        if new not in allowed[self]:
-            raise AssertionError(f"[rank {rank}] FSDP sharded state cannot go from {self.name} to {new.name}")
-        return new
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(
+            f"sharding_strategy must be a ShardingStrategy, got {strategy!r}; use e.g. ShardingStrategy.FULL_SHARD"
+        )
+    if mixed_precision is None:
+        mixed_precision = MixedPrecision()
+    if not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}; "
+            "use MixedPrecision(param_dtype=torch.bfloat16, ...)"
+        )
+    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+        raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if device_mesh is not None:
+            if device_mesh.ndim != 2:
+                raise ValueError(
+                    f"HYBRID_SHARD needs a 2-D device_mesh (replicate, shard), got {device_mesh.ndim} dimensions"
+                )
+            replicate, shard = device_mesh.get_group(0), device_mesh.get_group(1)
+        elif isinstance(process_group, tuple) and len(process_group) == 2:
+            shard, replicate = process_group
+        else:
+            raise ValueError(
+                f"HYBRID_SHARD needs process_group=(shard_group, replicate_group) or a 2-D device_mesh, got "
+                f"process_group={process_group!r}; build the groups with torch.distributed.new_group or "
+                "torch.distributed.device_mesh.init_device_mesh"
+            )
+    else:
+        if isinstance(process_group, tuple):
+            raise ValueError(
+                f"a (shard_group, replicate_group) pair is only meaningful with HYBRID_SHARD, got it with {strategy}; "
+                "pass one process group"
+            )
+        group = process_group
+        if device_mesh is not None:
+            if device_mesh.ndim != 1:
+                raise ValueError(f"{strategy} needs a 1-D device_mesh, got {device_mesh.ndim} dimensions")
+            group = device_mesh.get_group()
+        shard, replicate = (None, group) if strategy is ShardingStrategy.NO_SHARD else (group, None)
+    no_shard = strategy is ShardingStrategy.NO_SHARD
+    return UnitConfig(
+        strategy=strategy,
+        shard_group=shard,
+        shard_size=1 if no_shard else comm.group_size(shard),
+        shard_rank=0 if no_shard else comm.group_rank(shard),
+        replicate_group=replicate,
+        replicate_size=comm.group_size(replicate) if replicate is not None or no_shard else 1,
+        mixed_precision=mixed_precision,
+        forward_prefetch=bool(forward_prefetch),
+        backward_prefetch=backward_prefetch,
+        limit_all_gathers=bool(limit_all_gathers),
+    )

@@ -1,68 +1,41 @@
 """``FullyShardedDataParallel``: ZeRO stage 3 on flat-parameter units.
 
-The wrapper owns one :class:`~shardopt.nn.fsdp.unit.Unit` and drives it from forward hooks
-and autograd hooks; the outermost wrapper that runs a forward first becomes the *root* and
-keeps the per-step state shared by all units (recorded execution order, reductions in
-flight, the end-of-backward callback guard, ``no_sync``).
+The wrapper is thin: it owns one :class:`~shardopt.nn.fsdp.unit.Unit`, whose pre/post
+forward and backward steps do the work (Note [hook order] in ``unit``), and the public API
+(state dicts, ``summon_full_params``, ``no_sync``, clipping). The outermost wrapper that runs
+a forward first becomes the *root*: it creates the one
+:class:`~shardopt.nn.fsdp.context.StepContext` that every unit of its tree shares
+(recorded execution order, reductions in flight, the end-of-backward callback guard,
+``no_sync``).
 
-Note [hook order]
-* pre-forward: unshard this unit (waiting on a prefetch), record the execution order in the
-  first step, optionally prefetch the next unit, wrap the forward's tensor inputs in an
-  identity autograd function whose backward is this unit's post-backward;
-* post-forward: with autograd off, reshard (nothing will come back for the gathered
-  parameters; the root also reshards any prefetched unit a no-grad forward left gathered);
-  with autograd on, hook every output tensor that requires grad with the pre-backward
-  hook, then reshard, or, where the strategy keeps parameters to the backward (the root,
-  SHARD_GRAD_OP, NO_SHARD), hold: shard views and sharded gradients again, the gathered
-  buffer kept (Note [held between forward and backward] in ``unit``), so ``zero_grad``, a
-  stray forward or an optimizer step in between behave as with DDP;
-* pre-backward (first gradient of any output): queue the root's end-of-backward callback
-  once, unshard, optionally prefetch the unit that runs next in backward;
-* post-backward (gradients of all forward inputs computed, counted over every forward of
-  the unit in this step): reduce-scatter the unit's gradients and reshard;
-* a forward with autograd on while a backward runs (activation checkpointing recomputing
-  a unit) only unshards: the unit stays gathered for the backward that needs it;
-* end of backward (root callback): reduce, in module-tree order, every unit whose
-  post-backward could not fire (inputs without grad, e.g. token ids into the root), wait for
-  all reductions, write sharded gradients, reshard everything.
-Units whose post-backward fires in a hook do so in backward order, which is the same on
-every rank, and the rest follow in a fixed order, so collectives match across ranks.
-
-Why not a post-accumulate-grad hook per parameter (the house default): its firing depends
-on which parameters this rank used, so a parameter unused on one rank only would make that
-rank skip or delay the unit's reduce-scatter while the others issue it (a mismatched
-collective). The input hook fires when the unit's backward is done whatever was used, and
-missing gradients are reduced as zeros. AccumulateGrad nodes run before other ready nodes,
-so every gradient of the unit has landed when it fires.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from shardopt import comm
-from shardopt.nn.fsdp import grad_norm, optim_state, sharded_state
+from shardopt.nn.fsdp import grad_norm, optim_state_dict
+from shardopt.nn.fsdp.context import StepContext
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
-from shardopt.nn.fsdp.hooks import PostBackward, has_opaque, tensors_in
-from shardopt.nn.fsdp.init import make_config, materialize
-from shardopt.nn.fsdp.state import (
+from shardopt.nn.fsdp.materialize import materialize
+from shardopt.nn.fsdp.options import (
     BackwardPrefetch,
     MixedPrecision,
-    ShardedState,
     ShardingStrategy,
-    TrainingState,
     UnitConfig,
+    make_config,
 )
-from shardopt.nn.fsdp.unit import PendingReduce, Unit
+from shardopt.nn.fsdp.records import TrainingState
+from shardopt.nn.fsdp.state_dict import load_sharded, sharded_state
+from shardopt.nn.fsdp.unit import Unit
 from shardopt.nn.fsdp.wrap import AutoWrapPolicy, auto_wrap, claim_params, owner_of, registrations
 
 __all__ = ["FullyShardedDataParallel"]
@@ -70,7 +43,6 @@ __all__ = ["FullyShardedDataParallel"]
 logger = logging.getLogger(__name__)
 
 _WRAPPED = "_fsdp_wrapped_module"
-_MAX_REDUCES_IN_FLIGHT = 2
 
 
 def clean_name(name: str) -> str:
@@ -87,7 +59,7 @@ class FullyShardedDataParallel(nn.Module):
     stay registered under their original names and are views: of this rank's slice between
     steps, of the all-gathered buffer during forward and backward. Gradients are multiplied
     by ``1/N`` and reduce-scattered after each unit's backward, so every rank holds only its
-    gradient slice (Note [hook order]). ``parameters()`` therefore yields the sharded fp32
+    gradient slice (Note [hook order] in ``unit``). ``parameters()`` therefore yields the sharded fp32
     master pieces, and any ``torch.optim`` optimizer built on them steps only this rank's
     shard with sharded state. Shared parameters are owned by the lowest unit enclosing
     all their users (Note [shared parameters] in ``wrap``).
@@ -191,7 +163,7 @@ class FullyShardedDataParallel(nn.Module):
             module,
             self._unit,
             is_unit=lambda m: isinstance(m, FullyShardedDataParallel),
-            unit_of=lambda m: m._unit,
+            unit_of=lambda m: m.unit,
             excluded=excluded,
             ignored=ignored,
         )
@@ -199,16 +171,6 @@ class FullyShardedDataParallel(nn.Module):
             self._unit.handle = FlatParamHandle(
                 params, config.shard_rank, config.shard_size, config.mixed_precision.param_dtype
             )
-        self._is_root: bool | None = None
-        # Plain attribute, not a registered submodule (that would make the tree cyclic).
-        object.__setattr__(self, "_root", self)
-        self._training_state = TrainingState.IDLE
-        # Root-only step state (Note [hook order]).
-        self._exec_order: list[FullyShardedDataParallel] = []
-        self._exec_order_done = False
-        self._callback_queued = False
-        self._pending: deque[PendingReduce] = deque()
-        self._no_sync = False
         logger.debug("FSDP unit %r: %d parameters", name, len(params))
 
     # ------------------------------------------------------------------ plumbing
@@ -216,6 +178,11 @@ class FullyShardedDataParallel(nn.Module):
     def module(self) -> nn.Module:
         """The wrapped module."""
         return self._fsdp_wrapped_module
+
+    @property
+    def unit(self) -> Unit:
+        """The flat-parameter unit this wrapper drives (its runtime state and phase methods)."""
+        return self._unit
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -246,17 +213,16 @@ class FullyShardedDataParallel(nn.Module):
     def _units(self) -> list[FullyShardedDataParallel]:
         return FullyShardedDataParallel.fsdp_modules(self)
 
-    def _lazy_init(self) -> FullyShardedDataParallel:
-        if self._is_root is None:
-            self._is_root = True
-            for m in self._units():
-                if m is not self:
-                    m._is_root = False
-                    object.__setattr__(m, "_root", self)
-        return self._root
+    def _lazy_init(self) -> None:
+        """At the outermost wrapper's first forward: one step context for every unit of its tree."""
+        if self._unit.context is None:
+            units = [m.unit for m in self._units()]
+            context = StepContext(units)
+            for unit in units:
+                unit.attach(context, is_root=unit is self._unit)
 
     def _require_root(self, what: str) -> None:
-        if self._is_root is False:
+        if self._unit.is_root is False:
             raise ValueError(
                 f"{what} must be called on the root FullyShardedDataParallel (the outermost wrapper), "
                 f"not on the nested unit {self._unit.name!r}"
@@ -264,7 +230,7 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module's forward on gathered parameters (Note [hook order]).
+        """Run the wrapped module's forward on gathered parameters (Note [hook order] in ``unit``).
 
         Args:
             *args, **kwargs: the wrapped module's inputs; floating point tensors are cast to
@@ -277,162 +243,17 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: called inside ``summon_full_params``, or a previous backward never
                 reached FSDP's hooks (an output type FSDP cannot look into).
         """
-        root = self._lazy_init()
-        if self._training_state is TrainingState.SUMMON_FULL_PARAMS:
+        self._lazy_init()
+        unit = self._unit
+        if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise ValueError(
-                f"forward of FSDP unit {self._unit.name!r} was called inside summon_full_params; "
+                f"forward of FSDP unit {unit.name!r} was called inside summon_full_params; "
                 "run the forward after leaving the summon_full_params context"
             )
-        grad = torch.is_grad_enabled()
-        if self is root:
-            self._check_unseen_backward()
-        with torch.profiler.record_function("shardopt::fsdp::pre_forward"):
-            if not root._exec_order_done and self not in root._exec_order:
-                root._exec_order.append(self)
-            self._unit.unshard_()
-            self._unit.prefetched = False
-            # A forward with autograd on while a backward runs is activation checkpointing's
-            # recomputation: the unit stays gathered for that backward and is neither counted
-            # nor hooked again (its reduction comes from the original forward's hook, or
-            # from the end-of-backward callback for reentrant checkpointing).
-            recompute = grad and root._callback_queued
-            if recompute:
-                self._unit.backward_seen = True
-                grad = False
-            elif grad:
-                self._unit.forward_calls += 1
-                self._training_state = self._training_state.advance(TrainingState.FORWARD_BACKWARD, self._unit.rank)
-            if self._config.forward_prefetch:
-                root._prefetch(self, forward=True)
-            param_dtype = self._config.mixed_precision.param_dtype
-            if param_dtype is not None:
-                args, kwargs = pytree.tree_map_only(
-                    torch.Tensor, lambda t: t.to(param_dtype) if t.is_floating_point() else t, (args, kwargs)
-                )
-            if grad:
-                args, kwargs = self._hook_inputs(args, kwargs)
+        args, kwargs, kind = unit.pre_forward(args, kwargs)
         out = self._fsdp_wrapped_module(*args, **kwargs)
-        if not recompute:
-            with torch.profiler.record_function("shardopt::fsdp::post_forward"):
-                self._post_forward(out, grad)
+        unit.post_forward(out, kind)
         return out
-
-    def _check_unseen_backward(self) -> None:
-        """Fail loudly when a backward ran that FSDP's hooks never saw (its gradients would
-        stay unreduced): the root keeps its parameters gathered to the backward, so full
-        gradients on them at the next forward mean no end-of-backward callback ran."""
-        handle = self._unit.handle
-        if handle is None or self._unit.sharded_state is not ShardedState.UNSHARDED:
-            return
-        if any(p.grad is not None for p in handle.params):
-            raise ValueError(
-                "a backward ran through this FullyShardedDataParallel model without reaching FSDP's hooks, so "
-                "its gradients were never reduced; return tensors (or lists, tuples, dicts or dataclasses of "
-                "tensors) from forward so FSDP can hook them"
-            )
-
-    def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return args, kwargs
-        outs = PostBackward.apply(self._post_backward, *[flat[i] for i in idx])
-        outs = (outs,) if len(idx) == 1 else outs
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        self._unit.hooked_calls += 1
-        return pytree.tree_unflatten(flat, spec)  # type: ignore[no-any-return]
-
-    def _post_forward(self, out: Any, grad: bool) -> None:
-        if not grad:
-            # Nothing comes back for these parameters: never leave a unit gathered after a
-            # no-grad forward, or the next forward would trust stale views (torch PR 110139).
-            self._unit.reshard_()
-            if self._is_root:
-                for m in self._units():
-                    m._unit.reshard_()
-                self._exec_order_done = True
-            return
-        hook = functools.partial(FullyShardedDataParallel._pre_backward, self)
-        hooked = False
-        for t in tensors_in(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                # Owned by the output tensor: it fires at most once per backward through
-                # it and dies with it, so no handle is kept (a forward without backward
-                # would otherwise leave handles behind).
-                t.register_hook(hook)
-                hooked = True
-        if self._config.reshard_after_forward and not self._is_root:
-            self._unit.reshard_()
-        elif hooked or not has_opaque(out):
-            self._unit.hold_()  # Note [held between forward and backward] in unit
-        # else: an output FSDP cannot look into; staying gathered lets the next forward
-        # name a backward that never reached the hooks (_check_unseen_backward).
-        if self._is_root:
-            self._exec_order_done = True
-
-    # ------------------------------------------------------------------ backward
-    def _pre_backward(self, grad: torch.Tensor) -> None:
-        root = self._root
-        if not root._callback_queued:
-            root._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
-        with torch.profiler.record_function("shardopt::fsdp::pre_backward"):
-            self._unit.backward_seen = True
-            self._unit.unshard_()
-            self._unit.prefetched = False
-            if self._config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                root._prefetch(self, forward=False)
-
-    def _post_backward(self) -> None:
-        unit = self._unit
-        unit.post_backward_calls += 1
-        if unit.reduced or unit.hooked_calls < unit.forward_calls or unit.post_backward_calls < unit.forward_calls:
-            return  # another forward of this unit still has its backward to run
-        with torch.profiler.record_function("shardopt::fsdp::post_backward"):
-            self._reduce()
-            if self._config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-                self._root._prefetch(self, forward=False)
-
-    def _reduce(self) -> None:
-        root = self._root
-        pending = self._unit.reduce_grads_(root._no_sync)
-        if pending is not None:
-            root._pending.append(pending)
-            while len(root._pending) > _MAX_REDUCES_IN_FLIGHT:
-                done = root._pending.popleft()
-                done.unit.finish_reduce_(done)
-
-    def _finish_backward(self) -> None:
-        with torch.profiler.record_function("shardopt::fsdp::finish_backward"):
-            units = self._units()
-            for m in reversed(units):
-                if m._unit.needs_reduction():
-                    m._reduce()
-            while self._pending:
-                done = self._pending.popleft()
-                done.unit.finish_reduce_(done)
-            for m in units:
-                m._unit.reshard_()
-                m._unit.reset_step_()
-                m._training_state = m._training_state.advance(TrainingState.IDLE, m._unit.rank)
-            self._callback_queued = False
-
-    def _prefetch(self, current: FullyShardedDataParallel, forward: bool) -> None:
-        if not self._exec_order_done or current not in self._exec_order:
-            return
-        i = self._exec_order.index(current) + (1 if forward else -1)
-        if not 0 <= i < len(self._exec_order):
-            return
-        target = self._exec_order[i]._unit
-        if target.handle is None or target.sharded_state is not ShardedState.SHARDED:
-            return
-        if not forward and (target.forward_calls == 0 or target.reduced):
-            return  # it did not run forward in this step, or its backward is done
-        if self._config.limit_all_gathers and any(m._unit.prefetched for m in self._exec_order):
-            return
-        target.unshard_(async_op=True)
-        target.prefetched = True
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager
@@ -446,11 +267,14 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: called on a nested unit.
         """
         self._require_root("no_sync()")
-        previous, self._no_sync = self._no_sync, True
+        self._lazy_init()
+        context = self._unit.context
+        assert context is not None
+        previous, context.no_sync = context.no_sync, True
         try:
             yield
         finally:
-            self._no_sync = previous
+            context.no_sync = previous
 
     @contextlib.contextmanager
     def summon_full_params(
@@ -484,19 +308,20 @@ class FullyShardedDataParallel(nn.Module):
             )
         units = self._units() if recurse else [self]
         visible = not rank0_only or comm.group_rank(None) == 0
-        entered: list[tuple[FullyShardedDataParallel, Any]] = []
+        entered: list[tuple[Unit, Any]] = []
         try:
             for m in units:
-                if m._training_state is TrainingState.SUMMON_FULL_PARAMS:
+                unit = m.unit
+                if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
                     continue  # already summoned by an enclosing call
-                record = m._unit.summon_(with_grads, visible, offload_to_cpu)
-                m._training_state = m._training_state.advance(TrainingState.SUMMON_FULL_PARAMS, m._unit.rank)
-                entered.append((m, record))
+                record = unit.summon_(with_grads, visible, offload_to_cpu)
+                unit.training_state = unit.training_state.advance(TrainingState.SUMMON_FULL_PARAMS, unit.rank)
+                entered.append((unit, record))
             yield
         finally:
-            for m, record in entered:
-                m._unit.unsummon_(record, writeback)
-                m._training_state = m._training_state.advance(TrainingState.IDLE, m._unit.rank)
+            for unit, record in entered:
+                unit.unsummon_(record, writeback)
+                unit.training_state = unit.training_state.advance(TrainingState.IDLE, unit.rank)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """Apply ``fn`` to every submodule with full parameters (written back to the shards).
@@ -507,7 +332,7 @@ class FullyShardedDataParallel(nn.Module):
         Returns:
             ``self``.
         """
-        if self._training_state is TrainingState.SUMMON_FULL_PARAMS:
+        if self._unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             return super().apply(fn)
         with self.summon_full_params(recurse=True, writeback=True):
             return super().apply(fn)
@@ -620,7 +445,7 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: called on a nested unit, or ``max_norm``/``norm_type`` not positive.
         """
         self._require_root("clip_grad_norm_()")
-        sharded = [p for m in self._units() if m._unit.handle is not None for p in m._unit.handle.params]
+        sharded = [p for m in self._units() if m.unit.handle is not None for p in m.unit.handle.params]
         others = [p for p in self.parameters() if owner_of(p) is None]
         return grad_norm.clip_grad_norm(sharded, others, self._config, max_norm, norm_type)
 
@@ -638,10 +463,10 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: called on a nested unit.
         """
         self._require_root("sharded_state_dict()")
-        units = [m._unit for m in self._units()]
+        units = [m.unit for m in self._units()]
         for unit in units:
             unit.reshard_()  # e.g. SHARD_GRAD_OP after a forward whose backward never came
-        return sharded_state.sharded_state(units, dict(self.named_parameters()), dict(self.named_buffers()))
+        return sharded_state(units, dict(self.named_parameters()), dict(self.named_buffers()))
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a sharded state dict in this model's layout into the shards (Note [sharded state dict]).
@@ -650,10 +475,10 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: called on a nested unit, names missing, or pieces of another layout.
         """
         self._require_root("load_sharded_state_dict()")
-        units = [m._unit for m in self._units()]
+        units = [m.unit for m in self._units()]
         for unit in units:
             unit.reshard_()
-        sharded_state.load_sharded(units, dict(self.named_parameters()), dict(self.named_buffers()), state_dict)
+        load_sharded(units, dict(self.named_parameters()), dict(self.named_buffers()), state_dict)
 
     # ------------------------------------------------------------------ optimizer state
     @staticmethod
@@ -664,7 +489,7 @@ class FullyShardedDataParallel(nn.Module):
 
         Collective over the model's ranks. Each 1-D state piece (``exp_avg``, ...) is
         all-gathered into its parameter's full shape; scalars are kept; entries are keyed by
-        original parameter name (see :mod:`shardopt.nn.fsdp.optim_state`).
+        original parameter name (see :mod:`shardopt.nn.fsdp.optim_state_dict`).
 
         Args:
             model: the FSDP-wrapped model (or a module containing FSDP units).
@@ -678,9 +503,9 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             ValueError: the optimizer holds a foreign parameter, or ranks hold different keys.
         """
-        units = [m._unit for m in FullyShardedDataParallel.fsdp_modules(model)]
+        units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
         named = {clean_name(n): p for n, p in model.named_parameters()}
-        return optim_state.full_optim_state_dict(units, named, optim, rank0_only)
+        return optim_state_dict.full_optim_state_dict(units, named, optim, rank0_only)
 
     @staticmethod
     def shard_full_optim_state_dict(full_osd: dict[str, Any], model: nn.Module,
@@ -699,6 +524,6 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             ValueError: not a full optimizer state dict, or its groups/names do not match.
         """
-        units = [m._unit for m in FullyShardedDataParallel.fsdp_modules(model)]
+        units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
         named = {clean_name(n): p for n, p in model.named_parameters()}
-        return optim_state.shard_full_optim_state_dict(full_osd, units, named, optim)
+        return optim_state_dict.shard_full_optim_state_dict(full_osd, units, named, optim)
