@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import SGD
 
 from shardopt import comm
-from shardopt.buckets import ParamGather
+from shardopt.optim.param_gather import ParamGather
 from shardopt.optim import OSS
 from shardopt.partition import partition_by_size
 from shardopt.testing import run_ranks

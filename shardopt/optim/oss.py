@@ -29,7 +29,7 @@ import torch
 from torch.optim import SGD, Optimizer
 
 from shardopt import comm
-from shardopt.buckets import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
+from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
 from shardopt.partition import Partition, partition_by_size
 
 __all__ = ["OSS"]
@@ -109,7 +109,7 @@ class OSS(Optimizer):
     (what LR schedulers and users edit); before each step its hyperparameters are copied to
     the shard optimizer and after the step copied back. Parameters are re-synchronised by
     one all-gather per bucket of each rank's owned parameters (Note [gather by rank
-    streams] in :mod:`shardopt.buckets`). Construction checks that every rank passed the
+    streams] in :mod:`shardopt.optim.param_gather`). Construction checks that every rank passed the
     same parameter list (a cheap fingerprint exchange) instead of hanging later. Frozen
     parameters are never stepped (even with a leftover ``.grad``); their state is kept
     (Note [parked state]).

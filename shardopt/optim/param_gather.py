@@ -1,5 +1,5 @@
-"""Flat buffers and the plans that map parameters onto them. Bookkeeping only: every
-transfer goes through :mod:`shardopt.comm`.
+"""OSS's post-step parameter gather: the plan that maps owned parameters onto rank streams
+and chunks. Bookkeeping only: every transfer goes through :mod:`shardopt.comm`.
 
 :class:`ParamGather` re-synchronises parameters after a sharded optimizer step: each rank
 updated only the parameters it owns and every rank needs all of them.
