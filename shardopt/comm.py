@@ -46,7 +46,6 @@ FSDP's full parameter buffer between phases, whose views must stay valid objects
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -56,6 +55,7 @@ import torch.distributed as dist
 
 __all__ = [
     "PendingWork",
+    "ProcessGroup",
     "all_gather_into",
     "all_gather_object",
     "all_reduce",
@@ -77,9 +77,8 @@ __all__ = [
     "wait_all",
 ]
 
-logger = logging.getLogger(__name__)
-
-ProcessGroup = Any  # torch's ProcessGroup; typed loosely because torch's stubs move between versions
+ProcessGroup = dist.ProcessGroup
+"""torch's process group type (``None`` in a signature means the default group)."""
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # Point-to-point tags, one per function (Note [gloo point to point]).

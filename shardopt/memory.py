@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import statistics
 import sys
 import time
@@ -43,8 +42,6 @@ __all__ = [
     "estimate_model_states",
     "heap_bytes",
 ]
-
-logger = logging.getLogger(__name__)
 
 GB = 1e9
 

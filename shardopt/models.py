@@ -12,7 +12,6 @@ one for the benchmark. :func:`stdlib_corpus` reads the Python standard library's
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import sysconfig
@@ -23,8 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["CharBatches", "GPT", "GPTConfig", "PRESETS", "build_model", "stdlib_corpus"]
-
-logger = logging.getLogger(__name__)
 
 VOCAB_BYTES = 256
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})

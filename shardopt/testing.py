@@ -15,7 +15,6 @@ wall-clock limit in the parent (a rank that never returns is killed and named).
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -32,8 +31,6 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RankFailure", "RankTimeout", "run_ranks"]
-
-logger = logging.getLogger(__name__)
 
 _FAILURE_GRACE_S = 5.0
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from shardopt import comm
 from shardopt.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP

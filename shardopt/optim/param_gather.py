@@ -33,7 +33,6 @@ it is bumped afterwards, as an in-place copy would.
 from __future__ import annotations
 
 import bisect
-import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -43,8 +42,6 @@ from shardopt import comm
 from shardopt.partition import Partition
 
 __all__ = ["ParamGather", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_GATHER_BUCKET_BYTES"]
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_GATHER_BUCKET_BYTES = 2**24
 DEFAULT_DIRECT_MIN_BYTES = 2**18

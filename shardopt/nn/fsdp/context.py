@@ -9,7 +9,6 @@ reaching into another's attributes.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -21,8 +20,6 @@ if TYPE_CHECKING:
     from shardopt.nn.fsdp.unit import PendingReduce, Unit
 
 __all__ = ["StepContext"]
-
-logger = logging.getLogger(__name__)
 
 MAX_REDUCES_IN_FLIGHT = 2
 """Gradient reductions a backward keeps in flight before waiting for the oldest."""

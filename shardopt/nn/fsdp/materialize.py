@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
-from shardopt import comm
 
 __all__ = ["materialize"]
 

@@ -108,10 +108,10 @@ class UnitConfig:
     """
 
     strategy: ShardingStrategy
-    shard_group: Any
+    shard_group: comm.ProcessGroup | None
     shard_size: int
     shard_rank: int
-    replicate_group: Any
+    replicate_group: comm.ProcessGroup | None
     replicate_size: int
     mixed_precision: MixedPrecision
     forward_prefetch: bool

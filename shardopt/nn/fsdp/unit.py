@@ -70,7 +70,6 @@ so with two ranks in fp32 the result is bit-identical to DDP's.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,8 +87,6 @@ if TYPE_CHECKING:
     from shardopt.nn.fsdp.context import StepContext
 
 __all__ = ["PendingReduce", "SummonRecord", "Unit"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
