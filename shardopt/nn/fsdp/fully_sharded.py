@@ -527,3 +527,46 @@ class FullyShardedDataParallel(nn.Module):
         units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
         named = {clean_name(n): p for n, p in model.named_parameters()}
         return optim_state_dict.shard_full_optim_state_dict(full_osd, units, named, optim)
+
+    @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state as ``ShardedTensor`` pieces for ``torch.distributed.checkpoint``.
+
+        Each rank's state pieces become 1-D ``ShardedTensor`` entries keyed by original
+        parameter name, so ``dcp.save`` has every rank write only its shard of the
+        optimizer state (Note [sharded optimizer state dict] in ``optim_state_dict``). To
+        load at any world size, build this dict for the new model and optimizer, fill it
+        with ``dcp.load`` and pass it to :meth:`load_sharded_optim_state_dict`. Collective.
+
+        Args:
+            model: the FSDP-wrapped model.
+            optim: the optimizer built on ``model.parameters()``; a fresh one first gets its
+                state from one step with zero gradients and learning rate 0.
+
+        Returns:
+            ``{"state": {name: {key: ShardedTensor | value}}, "param_groups": [...]}``.
+
+        Raises:
+            ValueError: a foreign parameter in ``optim``, or a fresh optimizer whose
+                parameters hold gradients.
+        """
+        units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
+        named = {clean_name(n): p for n, p in model.named_parameters()}
+        return optim_state_dict.sharded_optim_state_dict(units, named, optim)
+
+    @staticmethod
+    def load_sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                                      osd: dict[str, Any]) -> None:
+        """Load a sharded optimizer state dict in this model's layout (filled by ``dcp.load``).
+
+        Args:
+            model: the FSDP-wrapped model.
+            optim: the optimizer the target was built with.
+            osd: :meth:`sharded_optim_state_dict` of ``model`` and ``optim``, filled by ``dcp.load``.
+
+        Raises:
+            ValueError: not such a dict, or groups, names or pieces that do not match.
+        """
+        units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
+        named = {clean_name(n): p for n, p in model.named_parameters()}
+        optim_state_dict.load_sharded_optim_state_dict(units, named, optim, osd)

@@ -1,4 +1,5 @@
-"""Optimizer state of FSDP models: consolidate to a plain full state dict, re-shard it.
+"""Optimizer state of FSDP models: consolidate to a plain full state dict, re-shard it, or
+describe it sharded for ``torch.distributed.checkpoint``.
 
 An optimizer built on ``FullyShardedDataParallel(...).parameters()`` sees 1-D pieces of the
 original parameters (Note [flat parameter layout]), so its per-parameter state tensors
@@ -6,6 +7,20 @@ original parameters (Note [flat parameter layout]), so its per-parameter state t
 the parameter's full shape and keys everything by original parameter name; the result
 has no trace of the world size and can be re-sharded for any world size, strategy or
 wrapping of the same model.
+
+Note [sharded optimizer state dict]
+A full optimizer state does not fit on one rank at the sizes ZeRO-3 is for, so
+:func:`sharded_optim_state_dict` describes it the way ``sharded_state`` describes the
+parameters (Note [sharded state dict] in ``state_dict``): every state tensor that is this
+rank's piece of a parameter becomes a 1-D ``ShardedTensor`` over the parameter's ``numel``
+elements, keyed ``state.<parameter name>.<state key>``; scalars (``step``) and the param
+groups (hyperparameters, parameter names, one tuple) are replicated values that ``dcp``
+writes once.
+``dcp.save`` then has every rank write only its pieces. To load at any world size or
+wrapping, build the new model's and optimizer's own sharded optimizer state dict as the
+target (a fresh optimizer's state is first created by one step with zero gradients and a
+learning rate of 0, as torch's ``torch.distributed.checkpoint.state_dict`` does), let
+``dcp.load`` fill it in place, and pass it to :func:`load_sharded_optim_state_dict`.
 """
 
 from __future__ import annotations
@@ -14,12 +29,19 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from shardopt import comm
 from shardopt.nn.fsdp.flat_param import ParamSlot
+from shardopt.nn.fsdp.state_dict import piece_tensor
 from shardopt.nn.fsdp.unit import Unit
 
-__all__ = ["full_optim_state_dict", "shard_full_optim_state_dict"]
+__all__ = [
+    "full_optim_state_dict",
+    "load_sharded_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "sharded_optim_state_dict",
+]
 
 
 def _locate(units: list[Unit]) -> dict[int, tuple[Unit, ParamSlot]]:
@@ -164,3 +186,138 @@ def shard_full_optim_state_dict(
             index += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+def _names_in_order(named_params: dict[str, nn.Parameter], optim: torch.optim.Optimizer) -> list[str]:
+    names = {id(p): n for n, p in named_params.items()}
+    ordered = []
+    for group in optim.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the model's "
+                    "parameters; build the optimizer on the FullyShardedDataParallel model's parameters()"
+                )
+            ordered.append(names[id(p)])
+    return ordered
+
+
+def _init_state(optim: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state without changing a parameter: one step with zero
+    gradients and every learning rate 0 (Note [sharded optimizer state dict])."""
+    if optim.state:
+        return
+    params = [p for group in optim.param_groups for p in group["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        raise ValueError(
+            "the optimizer has no state yet but its parameters hold gradients; call optimizer.zero_grad() "
+            "before building the sharded optimizer state dict to load into"
+        )
+    saved = []
+    for group in optim.param_groups:
+        lr = group.get("lr")
+        saved.append(lr)
+        if lr is not None:
+            group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, saved):
+            if lr is not None:
+                group["lr"] = lr
+        for p in params:
+            p.grad = None
+
+
+def sharded_optim_state_dict(
+    units: list[Unit], named_params: dict[str, nn.Parameter], optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The optimizer state as ``ShardedTensor`` pieces keyed by parameter name (Note [sharded
+    optimizer state dict]). Collective over the model's ranks (ShardedTensor construction).
+
+    Args:
+        units: the model's FSDP units.
+        named_params: the model's parameters by original name.
+        optim: an optimizer over (some of) those parameters; a fresh one gets its state first.
+
+    Returns:
+        ``{"state": {name: {key: ShardedTensor | value}}, "param_groups": ({..., "params": [names]}, ...)}``;
+        the sharded entries view the live optimizer state.
+
+    Raises:
+        ValueError: the optimizer holds a foreign parameter, or a fresh optimizer's
+            parameters hold gradients.
+    """
+    ordered = _names_in_order(named_params, optim)
+    _init_state(optim)
+    where = _locate(units)
+    state: dict[str, dict[str, Any]] = {}
+    for name in ordered:
+        p = named_params[name]
+        located = where.get(id(p))
+        entry: dict[str, Any] = {}
+        for key, value in optim.state.get(p, {}).items():
+            if located is not None and located[0].config.shard_size > 1 and _is_piece(value, located[1]):
+                entry[key] = piece_tensor(value, located[1], located[0].config.shard_group)
+            else:
+                entry[key] = value
+        state[name] = entry
+    groups = []
+    start = 0
+    for group in optim.param_groups:
+        count = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ordered[start:start + count]})
+        start += count
+    # A tuple is one value for dcp under every key-flattening version it reads, so the keys
+    # do not change when a rank holds no piece of some parameter (Note [sharded optimizer
+    # state dict]).
+    return {"state": state, "param_groups": tuple(groups)}
+
+
+def load_sharded_optim_state_dict(
+    units: list[Unit], named_params: dict[str, nn.Parameter], optim: torch.optim.Optimizer, osd: dict[str, Any]
+) -> None:
+    """Load a sharded optimizer state dict in this model's layout (one that ``dcp.load``
+    filled, built by :func:`sharded_optim_state_dict` on this model and ``optim``).
+
+    Raises:
+        ValueError: not such a dict, its groups or names do not match ``optim``, or a
+            sharded entry's piece does not match this rank's.
+    """
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise ValueError(
+            "osd must be the dict returned by sharded_optim_state_dict (with 'state' and 'param_groups'), "
+            "filled by torch.distributed.checkpoint.load"
+        )
+    ordered = _names_in_order(named_params, optim)
+    saved_names = [n for g in osd["param_groups"] for n in g["params"]]
+    if saved_names != ordered or len(osd["param_groups"]) != len(optim.param_groups):
+        raise ValueError(
+            "the sharded optimizer state dict's param groups do not list this optimizer's parameters in its "
+            "order; build the load target with this model's sharded_optim_state_dict(optim)"
+        )
+    state: dict[int, dict[str, Any]] = {}
+    for index, name in enumerate(ordered):
+        p = named_params[name]
+        entry: dict[str, Any] = {}
+        for key, value in osd["state"].get(name, {}).items():
+            if isinstance(value, ShardedTensor):
+                local = value.local_shards()
+                value = local[0].tensor.reshape(-1) if local else torch.empty(0, dtype=value.dtype)
+                if value.numel() != p.numel():
+                    raise ValueError(
+                        f"sharded optimizer entry {name!r}/{key!r} holds {value.numel()} elements on this rank "
+                        f"but its piece has {p.numel()}; build the load target with this model's "
+                        "sharded_optim_state_dict(optim)"
+                    )
+            entry[key] = value.clone().to(p.device) if isinstance(value, torch.Tensor) else value
+        if entry:
+            state[index] = entry
+    groups, start = [], 0
+    for saved in osd["param_groups"]:
+        count = len(saved["params"])
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": list(range(start, start + count))})
+        start += count
+    optim.load_state_dict({"state": state, "param_groups": groups})

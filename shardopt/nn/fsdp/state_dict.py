@@ -9,8 +9,10 @@ parameter, under the original name, and ``torch.distributed.checkpoint`` can sav
 every rank writing only its pieces. To load at another world size (or with another
 wrapping), build the *new* model's sharded state dict, let ``dcp.load`` fill it in place
 (it reads whichever saved ranges overlap each new piece), then
-:meth:`load_sharded_state_dict`. Parameters that are not sharded (NO_SHARD, or outside any
-unit) and buffers are plain tensors that ``dcp`` deduplicates. Under HYBRID_SHARD each
+:meth:`load_sharded_state_dict`. Parameters of a NO_SHARD unit are plain 1-D tensors of
+the same ``numel`` elements (so a folder loads across strategies), parameters outside any
+unit keep their shapes, and those and the buffers are plain tensors that ``dcp``
+deduplicates. Under HYBRID_SHARD each
 replica group describes the same pieces (placed on its own global ranks) and ``dcp``
 keeps one copy of each.
 """
@@ -28,7 +30,7 @@ from shardopt import comm
 from shardopt.nn.fsdp.flat_param import ParamSlot
 from shardopt.nn.fsdp.unit import Unit
 
-__all__ = ["load_sharded", "sharded_state"]
+__all__ = ["load_sharded", "piece_tensor", "sharded_state"]
 
 
 def _locate(units: list[Unit]) -> dict[int, Unit]:
@@ -57,38 +59,27 @@ def sharded_state(units: list[Unit], named_params: dict[str, nn.Parameter],
     out: dict[str, Any] = OrderedDict()
     for name, param in named_params.items():
         unit = where.get(id(param))
-        if unit is None or unit.handle is None or unit.config.shard_size == 1:
-            if unit is not None:
-                with _FullViews(unit):
-                    out[name] = param.detach().clone()
-            else:
-                out[name] = param.detach()
+        if unit is None or unit.handle is None:
+            out[name] = param.detach()
             continue
-        slot = slots[id(param)]
-        shards = []
-        if slot.piece_numel:
-            placement = f"rank:{comm.group_rank(None)}/{param.device}"  # a global rank
-            meta = ShardMetadata([slot.piece_begin], [slot.piece_numel], placement)
-            shards.append(Shard(param.detach().reshape(-1), meta))
-        out[name] = init_from_local_shards(shards, slot.numel, process_group=unit.config.shard_group)
+        if unit.config.shard_size == 1:  # the whole parameter, 1-D like the sharded entries
+            out[name] = param.detach().reshape(-1)
+            continue
+        out[name] = piece_tensor(param.detach(), slots[id(param)], unit.config.shard_group)
     for name, buf in named_buffers.items():
         out[name] = buf.detach()
     return out
 
 
-class _FullViews:
-    """Context that shows a NO_SHARD unit's parameters with full shapes (no communication)."""
-
-    def __init__(self, unit: Unit) -> None:
-        self.unit = unit
-
-    def __enter__(self) -> None:
-        assert self.unit.handle is not None
-        self.unit.handle.use_views(self.unit.handle.views_into(self.unit.handle.shard))
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.unit.handle is not None
-        self.unit.handle.use_shard_views()
+def piece_tensor(piece: torch.Tensor, slot: ParamSlot, group: comm.ProcessGroup | None) -> ShardedTensor:
+    """This rank's 1-D ``piece`` of a parameter of ``slot`` as a ``ShardedTensor`` over its
+    ``numel`` elements (collective over ``group``). Also used for optimizer state pieces."""
+    shards = []
+    if slot.piece_numel:
+        placement = f"rank:{comm.group_rank(None)}/{piece.device}"  # a global rank
+        meta = ShardMetadata([slot.piece_begin], [slot.piece_numel], placement)
+        shards.append(Shard(piece.reshape(-1), meta))
+    return init_from_local_shards(shards, slot.numel, process_group=group)
 
 
 def load_sharded(units: list[Unit], named_params: dict[str, nn.Parameter],
@@ -124,8 +115,7 @@ def load_sharded(units: list[Unit], named_params: dict[str, nn.Parameter],
                     )
                 param.reshape(-1).copy_(piece)
             elif unit is not None and unit.handle is not None:
-                with _FullViews(unit):
-                    param.copy_(value)
+                param.reshape(-1).copy_(value.reshape(-1))
             else:
                 param.copy_(value)
         for name, buf in named_buffers.items():
