@@ -46,14 +46,20 @@ FSDP's full parameter buffer between phases, whose views must stay valid objects
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from shardopt import failures
+from shardopt.failures import CollectiveError
+
 __all__ = [
+    "CollectiveError",
     "PendingWork",
     "ProcessGroup",
     "all_gather_into",
@@ -71,6 +77,7 @@ __all__ = [
     "prefers_point_to_point",
     "require_initialized",
     "recv_object",
+    "report_failure",
     "reduce_scatter",
     "release_storage",
     "send_object",
@@ -96,18 +103,101 @@ class PendingWork:
         label: what is in flight, for error messages and profiles.
         work: torch's work handle; ``None`` when nothing was sent (a group of one).
         buffers: tensors that must stay alive until the collective completes.
+        watched: wait in slices and watch the failure board between them (gloo; Note
+            [failure board]).
     """
 
     label: str
     work: Any = None
     buffers: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    watched: bool = False
 
     def wait(self) -> None:
-        """Block until the collective has completed, then drop the buffer references."""
+        """Block until the collective has completed, then drop the buffer references.
+
+        Raises:
+            CollectiveError: the collective failed, or another rank reported a failure
+                (Note [failure board]); the message names the rank and the operation.
+        """
         if self.work is not None:
-            self.work.wait()
+            _wait_work(self.work, self.label, self.watched)
             self.work = None
         self.buffers = ()
+
+
+def _record(label: str, work: Any, buffers: tuple[torch.Tensor, ...], group: ProcessGroup | None) -> PendingWork:
+    return PendingWork(label, work, buffers, watched=_is_gloo(group))
+
+
+def _is_gloo(group: ProcessGroup | None) -> bool:
+    return str(dist.get_backend(group)) == "gloo"
+
+
+report_failure = failures.report_failure
+
+_SLICE = timedelta(seconds=failures.WATCH_SLICE_S)
+_SLICE_EXPIRED = "Operation timed out"  # gloo's message for a timed wait that ran out
+
+
+def _wait_work(work: Any, label: str, watched: bool) -> None:
+    """Wait for ``work``; on gloo in slices, reading the failure board between them (Note
+    [failure board] in ``failures``). Any failure becomes a :class:`CollectiveError`."""
+    while True:
+        try:
+            if watched:
+                work.wait(_SLICE)
+            else:
+                work.wait()
+            return
+        except RuntimeError as exc:
+            if not (watched and _SLICE_EXPIRED in str(exc)):
+                raise failures.collective_error(label, exc) from exc
+        if failures.any_reported():
+            raise failures.collective_error(label, "another rank reported a failure")
+
+
+@contextmanager
+def _launch(label: str) -> Iterator[None]:
+    """Profile a launch under ``label``; a launch that fails (a peer's connection already
+    closed) becomes a :class:`CollectiveError` too."""
+    with torch.profiler.record_function(label):
+        try:
+            yield
+        except RuntimeError as exc:
+            if isinstance(exc, CollectiveError):
+                raise
+            raise failures.collective_error(label, exc) from exc
+
+
+def _blocking(label: str, group: ProcessGroup | None, call: Any) -> Any:
+    """Run a blocking collective (object exchange, barrier), naming the failure if it fails."""
+    _check_sequence(label, group)
+    try:
+        return call()
+    except RuntimeError as exc:
+        raise failures.collective_error(label, exc) from exc
+
+
+_sequence: dict[Any, int] = {}
+
+
+def _check_sequence(label: str, group: ProcessGroup | None) -> None:
+    """Note [collective sequence check] in ``failures``: off unless SHARDOPT_DEBUG_COLLECTIVES=1."""
+    if not failures.debug_enabled() or group_size(group) == 1:
+        return
+    key = group if group is not None else "world"
+    number = _sequence.get(key, 0)
+    _sequence[key] = number + 1
+    seen: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(seen, (number, label), group=group)
+    mine = (number, label)
+    for rank, other in enumerate(seen):
+        if tuple(other) != mine:
+            raise ValueError(
+                f"[rank {group_rank(group)}] collective mismatch (SHARDOPT_DEBUG_COLLECTIVES): this rank's call "
+                f"#{number} is {label!r} but group rank {rank}'s is #{other[0]} {other[1]!r}; every rank must run "
+                "the same shardopt operations in the same order (same model, same settings, same control flow)"
+            )
 
 
 def release_storage(buffer: torch.Tensor) -> None:
@@ -128,9 +218,13 @@ class _AllOf:
     def __init__(self, works: list[Any]) -> None:
         self._works = works
 
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+    def wait(self, timeout: timedelta | None = None) -> None:
+        while self._works:
+            if timeout is None:
+                self._works[0].wait()
+            else:
+                self._works[0].wait(timeout)
+            self._works.pop(0)
 
 
 def _post(
@@ -199,12 +293,13 @@ def all_gather_into(
 
     ``input`` may be this rank's slice of ``output`` (in place); both contiguous.
     """
+    _check_sequence(label, group)
     size = group_size(group)
     if size == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input.view_as(output))
         return PendingWork(label)
-    with torch.profiler.record_function(label):
+    with _launch(label):
         if prefers_point_to_point(group, output.device):
             me, n = group_rank(group), input.numel()
             source, pieces = input.view(-1), output.view(size, n)
@@ -214,7 +309,7 @@ def all_gather_into(
             work: Any = _post([(source, r) for r in others], [(pieces[r], r) for r in others], group, _GATHER_TAG)
         else:
             work = _all_gather_single(output, input, group=group, async_op=True)
-    return PendingWork(label, work, (output, input))
+    return _record(label, work, (output, input), group)
 
 
 def all_to_all(
@@ -230,6 +325,7 @@ def all_to_all(
     Splits may be uneven and zero. On gloo each rank sends only what others need, which is
     why shardopt reduces gradients to their owners this way (see Note [reduce to owner]).
     """
+    _check_sequence(label, group)
     size = group_size(group)
     if size == 1:
         output.copy_(input)
@@ -238,11 +334,11 @@ def all_to_all(
         pending = all_to_all_pieces(output.split(list(output_splits)), input.split(list(input_splits)), group, label)
         pending.buffers = (output, input)
         return pending
-    with torch.profiler.record_function(label):
+    with _launch(label):
         work = dist.all_to_all_single(
             output, input, list(output_splits), list(input_splits), group=group, async_op=True
         )
-    return PendingWork(label, work, (output, input))
+    return _record(label, work, (output, input), group)
 
 
 def all_to_all_pieces(
@@ -257,13 +353,14 @@ def all_to_all_pieces(
     never needs one large contiguous buffer. ``outputs[rank]`` may be ``inputs[rank]``
     itself: this rank's own piece is then not copied.
     """
+    _check_sequence(label, group)
     size, me = group_size(group), group_rank(group)
     if outputs[me] is not inputs[me]:
         outputs[me].copy_(inputs[me])
     if size == 1:
         return PendingWork(label)
     outs = list(outputs)
-    with torch.profiler.record_function(label):
+    with _launch(label):
         if prefers_point_to_point(group, inputs[me].device):
             others = peers(me, size)
             work: Any = _post([(inputs[r], r) for r in others], [(outs[r], r) for r in others], group, _ALL_TO_ALL_TAG)
@@ -271,7 +368,7 @@ def all_to_all_pieces(
             if outs[me] is inputs[me]:
                 outs[me] = torch.empty_like(inputs[me])  # the backend wants distinct tensors
             work = dist.all_to_all(outs, list(inputs), group=group, async_op=True)
-    return PendingWork(label, work, (*outs, *outputs, *inputs))
+    return _record(label, work, (*outs, *outputs, *inputs), group)
 
 
 def exchange(
@@ -287,9 +384,10 @@ def exchange(
     order and sizes (Note [gloo point to point]). Tensors must be contiguous and stay
     untouched until the record is waited. For gloo on CPU; see :func:`prefers_point_to_point`.
     """
-    with torch.profiler.record_function(label):
+    _check_sequence(label, group)
+    with _launch(label):
         work = _post(sends, recvs, group, _EXCHANGE_TAG)
-    return PendingWork(label, work, tuple(t for t, _ in sends) + tuple(t for t, _ in recvs))
+    return _record(label, work, tuple(t for t, _ in sends) + tuple(t for t, _ in recvs), group)
 
 
 def reduce_scatter(
@@ -300,6 +398,7 @@ def reduce_scatter(
     ``output`` holds the result once the record is waited. On gloo with CPU tensors this is
     an all-to-all and a rank-order sum (Note [reduce-scatter on gloo]).
     """
+    _check_sequence(label, group)
     size = group_size(group)
     if size == 1:
         output.copy_(input.view_as(output))
@@ -308,10 +407,10 @@ def reduce_scatter(
         rows = torch.empty_like(input)
         splits = [output.numel()] * size
         pending = all_to_all(rows, input, splits, splits, group, label)
-        return PendingWork(label, _SumRows(pending, rows.view(size, -1), output), (rows, input, output))
-    with torch.profiler.record_function(label):
+        return _record(label, _SumRows(pending, rows.view(size, -1), output), (rows, input, output), group)
+    with _launch(label):
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingWork(label, work, (output, input))
+    return _record(label, work, (output, input), group)
 
 
 class _SumRows:
@@ -321,8 +420,14 @@ class _SumRows:
     def __init__(self, pending: PendingWork, rows: torch.Tensor, output: torch.Tensor) -> None:
         self._pending, self._rows, self._output = pending, rows, output
 
-    def wait(self) -> None:
-        self._pending.wait()
+    def wait(self, timeout: timedelta | None = None) -> None:
+        work = self._pending.work
+        if work is not None:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+            self._pending.work = None
         self._output.copy_(self._rows[0])
         for row in self._rows[1:]:
             self._output.add_(row)
@@ -335,29 +440,31 @@ def all_reduce(
     label: str = "all_reduce",
 ) -> PendingWork:
     """Reduce ``tensor`` in place over ranks with ``op`` in ``{"sum", "max", "min"}``."""
+    _check_sequence(label, group)
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in ops:
         raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
     if group_size(group) == 1:
         return PendingWork(label)
-    with torch.profiler.record_function(label):
+    with _launch(label):
         work = dist.all_reduce(tensor, op=ops[op], group=group, async_op=True)
-    return PendingWork(label, work, (tensor,))
+    return _record(label, work, (tensor,), group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, label: str = "broadcast") -> PendingWork:
     """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
+    _check_sequence(label, group)
     if group_size(group) == 1:
         return PendingWork(label)
-    with torch.profiler.record_function(label):
+    with _launch(label):
         work = dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)
-    return PendingWork(label, work, (tensor,))
+    return _record(label, work, (tensor,), group)
 
 
 def barrier(group: ProcessGroup | None) -> None:
     """Block until every rank of ``group`` has arrived."""
     if group_size(group) > 1:
-        dist.barrier(group=group)
+        _blocking("shardopt::barrier", group, lambda: dist.barrier(group=group))
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
@@ -365,7 +472,7 @@ def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
     if group_size(group) == 1:
         return [obj]
     out: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    _blocking("shardopt::object::all_gather", group, lambda: dist.all_gather_object(out, obj, group=group))
     return out
 
 
@@ -374,17 +481,18 @@ def broadcast_object(obj: Any, src: int, group: ProcessGroup | None) -> Any:
     if group_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=_global(group, src), group=group)
+    _blocking("shardopt::object::broadcast", group,
+              lambda: dist.broadcast_object_list(box, src=_global(group, src), group=group))
     return box[0]
 
 
 def send_object(obj: Any, dst: int, group: ProcessGroup | None) -> None:
     """Send a picklable object to group rank ``dst`` (blocking)."""
-    dist.send_object_list([obj], dst=_global(group, dst), group=group)
+    _blocking("shardopt::object::send", None, lambda: dist.send_object_list([obj], dst=_global(group, dst), group=group))
 
 
 def recv_object(src: int, group: ProcessGroup | None) -> Any:
     """Receive the object that group rank ``src`` sent with :func:`send_object`."""
     box: list[Any] = [None]
-    dist.recv_object_list(box, src=_global(group, src), group=group)
+    _blocking("shardopt::object::recv", None, lambda: dist.recv_object_list(box, src=_global(group, src), group=group))
     return box[0]

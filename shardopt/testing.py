@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardopt.failures import report_failure
+
 __all__ = ["RankFailure", "RankTimeout", "run_ranks"]
 
 _FAILURE_GRACE_S = 5.0
@@ -116,6 +118,10 @@ def _rank_main(rank: int, job: _RankJob, results: Any) -> None:
         )
         try:
             value = job.fn(rank, job.world_size, *job.args)
+        except BaseException as exc:
+            # Peers blocked in a shardopt collective end with this reason (Note [failure board]).
+            report_failure(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+            raise
         finally:
             dist.destroy_process_group()
         # Pickle to bytes here, with the standard pickler: a value the queue's feeder thread

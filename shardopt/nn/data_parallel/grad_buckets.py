@@ -237,7 +237,7 @@ class GradBucket:
             self._send[r] if r == self._rank else torch.empty(mine, dtype=self.spec.wire_dtype, device=self.spec.device)
             for r in range(num_ranks)
         ]
-        pending = comm.all_to_all_pieces(recv, self._send, group, label="shardopt::sdp::reduce")
+        pending = comm.all_to_all_pieces(recv, self._send, group, label=f"shardopt::sdp::reduce::bucket{self.spec.index}")
         self._filled.clear()
         self._to(BucketState.IN_FLIGHT)
         return pending, recv

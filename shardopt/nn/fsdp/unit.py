@@ -346,11 +346,13 @@ class Unit:
     def _wait(self, work: comm.PendingWork, what: str) -> None:
         try:
             work.wait()
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"[rank {self.rank}] the {what} of FSDP unit {self.name or 'root'!r} did not complete: {exc}. "
-                "The usual cause is ranks running different FSDP units in one step (a unit skipped on some "
-                "ranks by data-dependent control flow): every rank must run the same units in the same order"
+        except comm.CollectiveError as exc:
+            if exc.failed:
+                raise  # a rank reported its own failure: that is the cause
+            raise exc.with_hint(
+                f"If no rank crashed, the usual cause of a failed {what} of FSDP unit {self.name or 'root'!r} is "
+                "ranks running different FSDP units in one step (a unit skipped on some ranks by data-dependent "
+                "control flow): every rank must run the same units in the same order"
             ) from exc
 
     def _show_full(self) -> None:
