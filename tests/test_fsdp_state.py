@@ -273,3 +273,52 @@ def test_sharded_optimizer_state_is_written_in_pieces_and_resumes_at_any_world_s
     for strategy in ("SHARD_GRAD_OP", "NO_SHARD"):
         for loaded_b, _ in run_ranks(_load_sharded_optim, 3, folder, strategy):
             assert same_state(_from_bytes(loaded_b)) == 0.0, strategy
+
+
+class _Parent(nn.Module):
+    """A trainer's module holding the model (as a LightningModule holds its network)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.register_buffer("scale", torch.ones(()))  # the parent's own state (no gradient to sync)
+
+    def forward(self, toks: torch.Tensor) -> torch.Tensor:
+        return self.net(toks) * self.scale
+
+
+def _through_a_parent(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    plain = _Parent(gpt())
+    ref = DDP(plain)
+    wrapped = _Parent(FSDP(gpt(), auto_wrap_policy=BLOCKS))
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(wrapped.parameters(), lr=1e-2)
+    _train(ref, opt_ref, rank, range(2))
+    _train(wrapped, opt, rank, range(2))
+    saved = wrapped.state_dict()  # what a trainer's checkpoint holds
+    expected = plain.state_dict()
+    out["keys"] = float(list(saved) != list(expected))
+    out["values"] = max_abs_diff(saved.values(), expected.values())
+    fresh_plain = _Parent(gpt(seed=3))  # the file loads into the plain model ...
+    fresh_plain.load_state_dict(saved)
+    out["into_plain"] = max_abs_diff(fresh_plain.state_dict().values(), expected.values())
+    fresh = _Parent(FSDP(gpt(seed=3), auto_wrap_policy=BLOCKS))  # ... and into a wrapped one
+    fresh.load_state_dict(saved)
+    out["into_wrapped"] = max_abs_diff(fresh.state_dict().values(), expected.values())
+    out["sharded_after_load"] = float(not all(p.dim() == 1 for p in fresh.net.parameters()))
+    _train(ref, opt_ref, rank, range(2, 3))  # and the loaded model trains on like the original
+    opt_fresh = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    opt_fresh.load_state_dict(opt.state_dict())
+    _train(fresh, opt_fresh, rank, range(2, 3))
+    out["trains_on"] = max_abs_diff(fresh.state_dict().values(), plain.state_dict().values())
+    bad = dict(saved)
+    bad.pop("net.pos")
+    result = _Parent(FSDP(gpt(), auto_wrap_policy=BLOCKS)).load_state_dict(bad, strict=False)
+    out["missing_named"] = float(result.missing_keys != ["net.pos"])
+    return out
+
+
+def test_state_dict_through_a_parent_module_is_full_and_clean_and_loads_anywhere() -> None:
+    for out in run_ranks(_through_a_parent, 2):
+        assert max(out.values()) == 0.0, out

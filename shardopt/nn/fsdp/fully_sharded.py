@@ -8,6 +8,15 @@ a forward first becomes the *root*: it creates the one
 (recorded execution order, reductions in flight, the end-of-backward callback guard,
 ``no_sync``).
 
+Note [state dict through a parent]
+Trainers save ``lightning_module.state_dict()`` or ``model.state_dict()`` of a module that
+*contains* the wrapper, so torch's recursion reaches the wrapper with a prefix. It then
+answers like a direct call (full tensors, original names, under the prefix) instead of
+its internal wrapper levels and 1-D shards, so such a file loads into the plain model. A
+parent's ``load_state_dict`` likewise works: a pre-hook gathers full parameters and maps
+the clean names to the wrapper levels, and a post-hook writes the loaded values back to
+the shards. Both are collectives: every rank calls the parent's method.
+
 """
 
 from __future__ import annotations
@@ -171,6 +180,9 @@ class FullyShardedDataParallel(nn.Module):
             self._unit.handle = FlatParamHandle(
                 params, config.shard_rank, config.shard_size, config.mixed_precision.param_dtype
             )
+        self._parent_load: contextlib.ExitStack | None = None
+        self._register_load_state_dict_pre_hook(FullyShardedDataParallel._pre_load, with_module=True)
+        self.register_load_state_dict_post_hook(FullyShardedDataParallel._post_load)
         logger.debug("FSDP unit %r: %d parameters", name, len(params))
 
     # ------------------------------------------------------------------ plumbing
@@ -381,7 +393,8 @@ class FullyShardedDataParallel(nn.Module):
 
         Args:
             *args, destination, prefix, keep_vars: as for ``nn.Module.state_dict``; when a
-                parent module's ``state_dict`` recurses into this wrapper they pass through.
+                parent module's ``state_dict`` recurses into this wrapper, it gets the same
+                full, clean-named entries under its prefix (a collective, like this call).
             rank0_only: only rank 0 returns the tensors (others return ``{}``).
             offload_to_cpu: return CPU tensors.
 
@@ -389,7 +402,18 @@ class FullyShardedDataParallel(nn.Module):
             ``{name: tensor}`` with original parameter and buffer names.
         """
         if args or destination is not None or prefix:
-            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+            if self._unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+                # inside an enclosing unit's gather: raw entries, the caller cleans the names
+                return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+            # Note [state dict through a parent]: the same full, clean-named tensors a direct
+            # call gives, under the parent's prefix.
+            if args:  # torch's old positional form state_dict(destination, prefix, keep_vars)
+                destination = args[0]
+                prefix = args[1] if len(args) > 1 else prefix
+            dest = destination if destination is not None else OrderedDict()
+            for name, value in self.state_dict().items():
+                dest[prefix + name] = value
+            return dest
         out: dict[str, Any] = OrderedDict()
         with self.summon_full_params(recurse=True, writeback=False, rank0_only=rank0_only,
                                      offload_to_cpu=offload_to_cpu):
@@ -398,6 +422,29 @@ class FullyShardedDataParallel(nn.Module):
                     value = value.detach().clone()
                     out[clean_name(name)] = value.cpu() if offload_to_cpu else value
         return out
+
+    def _pre_load(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Note [state dict through a parent]: a parent's ``load_state_dict`` reached this
+        wrapper. Gather full parameters (written back after the load) and rename this
+        subtree's clean keys to the wrapper levels the recursion looks for."""
+        if self._unit.training_state is not TrainingState.SUMMON_FULL_PARAMS:
+            self._parent_load = contextlib.ExitStack()
+            self._parent_load.enter_context(self.summon_full_params(recurse=True, writeback=True))
+        raw = [n for n, _ in nn.Module.named_parameters(self, remove_duplicate=False)]
+        raw += [n for n, _ in nn.Module.named_buffers(self, remove_duplicate=False)]
+        for name in raw:
+            clean = clean_name(name)
+            if clean != name and prefix + clean in state_dict and prefix + name not in state_dict:
+                state_dict[prefix + name] = state_dict.pop(prefix + clean)
+
+    @staticmethod
+    def _post_load(module: nn.Module, incompatible: Any) -> None:
+        assert isinstance(module, FullyShardedDataParallel)
+        incompatible.missing_keys[:] = [clean_name(k) for k in incompatible.missing_keys]
+        incompatible.unexpected_keys[:] = [clean_name(k) for k in incompatible.unexpected_keys]
+        if module._parent_load is not None:
+            stack, module._parent_load = module._parent_load, None
+            stack.close()
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a full state dict (original names) into the shards.
