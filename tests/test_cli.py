@@ -5,8 +5,9 @@ with DDP, bad arguments end in one line and exit code 2, and Ctrl-C stops every 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -230,6 +231,24 @@ def test_demo_reports_every_rank_and_resumes_from_its_own_checkpoint(tmp_path: A
         assert r["heap_after_step"] > 0 and r["heap_peak"] >= r["heap_after_step"]
         assert r["bytes_per_step"] > 0 and r["median_step_s"] > 0 and r["counted_steps"] == 4
     assert straight["machine"]["measures"]["heap"].startswith("glibc")
+
+
+def test_consolidated_checkpoints_resume_under_every_consolidated_mode(tmp_path: Any) -> None:
+    # At 2 ranks in fp32 every mode does DDP's arithmetic, so a resumed run must end with the
+    # loss of an uninterrupted one, whichever mode saved and whichever resumed.
+    straight = [r["final_loss"] for r in _demo(tmp_path, "straight", "--steps", "6")["ranks"]]
+    for saver, resumers in (("zero2", ("zero3", "zero1", "ddp")), ("zero3", ("zero2",))):
+        saved = str(tmp_path / f"{saver}.pt")
+        first = _demo(tmp_path, f"{saver}-first", "--mode", saver, "--steps", "3", "--checkpoint", saved,
+                      "--resume-if-exists")  # nothing there yet: starts from step 0
+        assert [r["start_step"] for r in first["ranks"]] == [0, 0]
+        for mode in resumers:
+            ckpt = str(tmp_path / f"{saver}-to-{mode}.pt")
+            shutil.copyfile(saved, ckpt)
+            resumed = _demo(tmp_path, f"{saver}-to-{mode}", "--mode", mode, "--steps", "6", "--checkpoint", ckpt,
+                            "--resume")
+            assert [r["start_step"] for r in resumed["ranks"]] == [3, 3], (saver, mode)
+            assert [r["final_loss"] for r in resumed["ranks"]] == straight, (saver, mode)
 
 
 def test_sharded_modes_match_ddp_with_accumulation_under_bf16_and_fp16(tmp_path: Any) -> None:
