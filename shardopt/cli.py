@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 import torch
 
 from shardopt import __version__
+from shardopt.lifeline import LAUNCHER_PID_ENV, run_guarded
 from shardopt.memory import estimate_model_states
 from shardopt.models import PRESETS
 from shardopt.modes import MODES, get_mode
@@ -190,7 +191,9 @@ def _under_torchrun() -> bool:
 # single-threaded, with torch and shardopt already imported, which forks each rank as fast as
 # fork did without inheriting anyone's threads. spawn is the fallback off Linux or once CUDA
 # is initialised here.
-_PRELOAD = ["torch", "torch._dynamo", "shardopt.runner", "shardopt.bench"]
+# shardopt.lifeline comes first: importing it in the fork server ties the server's life to
+# this process's (Note [no orphans]) before the slow imports.
+_PRELOAD = ["shardopt.lifeline", "torch", "torch._dynamo", "shardopt.runner", "shardopt.bench"]
 
 
 def _start_method() -> str:
@@ -214,7 +217,9 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
     Under ``torchrun`` this process already is one rank: ``entry`` runs here and the result
     is keyed by the global rank. Otherwise ``elastic_launch`` starts the ranks (from a fork
     server on Linux, Note [forkserver, not fork]; spawned otherwise) with a c10d rendezvous on the loopback
-    interface, and no restarts: a failing rank stops them all.
+    interface, and no restarts: a failing rank stops them all. The ranks and the fork server
+    die with this process, even when it is SIGKILLed (Note [no orphans] in
+    :mod:`shardopt.lifeline`).
 
     Args:
         entry: a module-level function (it must be picklable for spawn).
@@ -235,7 +240,15 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
         rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"shardopt-{os.getpid()}-{time.monotonic_ns()}",
         max_restarts=0, monitor_interval=0.1, start_method=_start_method(),
     )
-    return dict(elastic_launch(config, entry)(*args))
+    previous = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # read by a fork server started now
+    try:
+        return dict(elastic_launch(config, run_guarded)(os.getpid(), entry, *args))
+    finally:
+        if previous is None:
+            del os.environ[LAUNCHER_PID_ENV]
+        else:
+            os.environ[LAUNCHER_PID_ENV] = previous
 
 
 def _run_launched(command: str, entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:

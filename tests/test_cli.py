@@ -339,7 +339,7 @@ def _session_processes(sid: int) -> list[int]:
                 continue
             if int(fields[3]) == sid and fields[0] != "Z":
                 found.append(int(entry))
-    return found
+    return sorted(found)
 
 
 def test_ctrl_c_stops_all_ranks_and_exits_130() -> None:
@@ -364,6 +364,29 @@ def test_ctrl_c_stops_all_ranks_and_exits_130() -> None:
     while _session_processes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _session_processes(proc.pid) == []
+
+
+def test_killing_the_launcher_takes_the_fork_server_and_every_rank_with_it() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardopt", "demo", *TINY, "--steps", "100000"], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert "training tiny with zero2 on 2 ranks" in first, first
+        family = _session_processes(proc.pid)  # launcher, fork server, 2 ranks, resource tracker
+        assert len(family) >= 4, family
+        os.kill(proc.pid, signal.SIGKILL)  # what the OOM killer does: nothing can clean up
+        proc.wait()
+        start = time.monotonic()
+        while _session_processes(proc.pid) and time.monotonic() - start < 5:
+            time.sleep(0.02)
+        assert _session_processes(proc.pid) == [], f"orphans after {time.monotonic() - start:.1f} s"
+    finally:
+        for left in _session_processes(proc.pid):
+            os.kill(left, signal.SIGKILL)
 
 
 def test_demo_runs_unchanged_under_torchrun(tmp_path: Any) -> None:
