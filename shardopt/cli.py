@@ -349,6 +349,10 @@ def _demo(args: argparse.Namespace) -> int:
     )
     if job.resume and checkpoint_path and os.path.exists(checkpoint_path):
         _check_checkpoint(job)
+    if checkpoint_path and not mode.checkpoints:
+        _fail("demo", f"--checkpoint is not supported with mode {mode.name!r} (shardopt cannot consolidate its "
+              f"optimizer state); use one of {', '.join(n for n, m in MODES.items() if m.checkpoints)}, or drop "
+              "--checkpoint")
     if checkpoint_path:
         kind = "a folder" if mode.sharded_checkpoint else "one file"
         _check_writable("demo", "--checkpoint", checkpoint_path, folder=mode.sharded_checkpoint,

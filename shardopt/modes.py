@@ -83,6 +83,8 @@ class Mode:
         fp16_scaler: the gradient scaler fp16 autocast uses: ``"torch"`` (gradients are full
             and identical on every rank), ``"sharded"`` (ShardedGradScaler: ranks see
             different gradients and must agree on inf/nan), or ``None`` (fp16 unsupported).
+        checkpoints: the demo can save and resume this mode (peers whose optimizer state
+            :mod:`shardopt.checkpoint` cannot consolidate cannot).
     """
 
     name: str
@@ -93,6 +95,7 @@ class Mode:
     peer: bool = False
     sharded_checkpoint: bool = False
     fp16_scaler: str | None = None
+    checkpoints: bool = True
 
     def wrap(self, module: nn.Module, lr: float, device: Any) -> Wrapped:
         """:attr:`build`, with :attr:`Wrapped.param_names` read from ``module`` before it is wrapped.
@@ -207,11 +210,11 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn.fsdp", "FullyShardedDataParallel"),
          _OWN_HINT, _build_zero3, fp16_scaler="sharded"),
     Mode("torch-zero", "DDP + torch ZeroRedundancyOptimizer", ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
-         "it ships with torch.distributed", _build_torch_zero, peer=True, fp16_scaler="torch"),
+         "it ships with torch.distributed", _build_torch_zero, peer=True, fp16_scaler="torch", checkpoints=False),
     Mode("fairscale", "fairscale OSS + ShardedDDP, zero_grad(set_to_none=False)", ("fairscale", "__version__"),
-         _FAIRSCALE_HINT, _fairscale_builder(False), peer=True),
+         _FAIRSCALE_HINT, _fairscale_builder(False), peer=True, checkpoints=False),
     Mode("fairscale-default", "fairscale OSS + ShardedDDP, default zero_grad()", ("fairscale", "__version__"),
-         _FAIRSCALE_HINT, _fairscale_builder(None), peer=True),
+         _FAIRSCALE_HINT, _fairscale_builder(None), peer=True, checkpoints=False),
     Mode("fsdp2", "torch fully_shard, reshard_after_forward=False", ("torch.distributed.fsdp", "fully_shard"),
          "it needs torch >= 2.6", _fsdp2_builder(False), peer=True, sharded_checkpoint=True),
     Mode("fsdp2-reshard", "torch fully_shard, reshard_after_forward=True", ("torch.distributed.fsdp", "fully_shard"),

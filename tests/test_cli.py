@@ -75,6 +75,8 @@ BAD_ARGUMENTS = [
     (["demo", "--resume"], "--resume needs --checkpoint PATH"),
     (["demo", "--resume-if-exists"], "--resume-if-exists needs --checkpoint PATH (where to resume from)"),
     (["demo", "--save-every", "5"], "--save-every needs --checkpoint PATH (where to save)"),
+    (["demo", "--mode", "torch-zero", "--checkpoint", "x.pt"], "--checkpoint is not supported with mode "
+     "'torch-zero' (shardopt cannot consolidate its optimizer state); use one of ddp, zero1, zero2, zero3, fsdp2"),
     (["demo", "--resume", "--resume-if-exists"], "argument --resume-if-exists: not allowed with argument --resume"),
     (["bench", "--steps", "2"], "--steps 2 leaves nothing to measure after --warmup-steps 2"),
     (["bench", "--plot", "x.png"], "--plot needs matplotlib"),
