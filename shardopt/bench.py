@@ -228,7 +228,7 @@ def plot(results: list[ModeResult], path: str, title: str) -> None:
 
     Args:
         results: one per mode.
-        path: the PNG to write.
+        path: the PNG to write (missing folders are created).
         title: the figure title.
     """
     import matplotlib
@@ -248,5 +248,6 @@ def plot(results: list[ModeResult], path: str, title: str) -> None:
         plt.setp(ax.get_xticklabels(), rotation=40, ha="right")
     fig.suptitle(f"shardopt bench: {title}")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as --json and --checkpoint do
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -27,6 +29,7 @@ from typing import Any, NoReturn
 import torch
 
 from shardopt import __version__
+from shardopt.lifeline import LAUNCHER_PID_ENV, run_guarded
 from shardopt.memory import estimate_model_states
 from shardopt.models import PRESETS
 from shardopt.modes import MODES, get_mode
@@ -47,41 +50,69 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _checked(
-    parse: Callable[[str], Any], expected: str, ok: Callable[[Any], bool], rule: str,
+    parse: Callable[[str], Any], expected: str, rules: Sequence[tuple[Callable[[Any], bool], str]],
     result: Callable[[Any], Any] = lambda value: value,
 ) -> Callable[[str], Any]:
-    """An argparse ``type=``: parse ``text``, check ``ok``, and say what was expected if not."""
+    """An argparse ``type=``: parse ``text``, check each ``(ok, rule)`` in turn, and say which rule failed.
+
+    ``parse`` failing (or overflowing) says what was ``expected``; argparse prefixes either
+    message with the option's name, and :class:`_Parser` makes it one line with exit code 2.
+    """
 
     def convert(text: str) -> Any:
+        shown = text.strip() if len(text.strip()) <= 24 else f"{text.strip()[:12]}...({len(text.strip())} chars)"
         try:
             value = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {shown!r}") from None
+        for ok, rule in rules:
+            if not ok(value):
+                raise argparse.ArgumentTypeError(f"must be {rule}, got {shown}")
         return result(value)
 
     return convert
 
 
-_positive_int = _checked(int, "a positive integer", lambda v: v >= 1, ">= 1")
-_non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0, ">= 0")
-_positive_float = _checked(float, "a positive number such as 1e-3", lambda v: v > 0, "> 0")
-_count = _checked(float, "a number such as 7.5e9", lambda v: v >= 1, ">= 1", result=int)
+def _int_in(low: int, high: int, expected: str) -> Callable[[str], Any]:
+    """An integer option in ``[low, high]``."""
+    return _checked(int, expected, [(lambda v: v >= low, f">= {low}"), (lambda v: v <= high, f"<= {high}")])
+
+
+# Note [option bounds]
+# Upper bounds keep every value representable where it ends up, so a typo such as
+# --steps 10**30 is a usage error instead of a rank's traceback: the data seed
+# ((seed * 1_000_003 + step) * 1009 + micro) * 1031 + rank (shardopt.models.CharBatches) must
+# fit in int64, which it does with seed < 1e6, steps <= 1e9, grad-accum <= 2**20 and
+# world size <= 4096 (1.04e18 < 9.2e18); threads and local ranks are processes and OS threads
+# of this machine, batch sizes become tensor sizes. Floats must be finite.
+_MAX_STEPS = 10**9
+_steps = _int_in(1, _MAX_STEPS, "a positive integer")
+_step_count = _int_in(0, _MAX_STEPS, "an integer >= 0")
+_batch = _int_in(1, 2**20, "a positive integer")
+_local_ranks = _int_in(1, 4096, "a positive integer")
+_thread_count = _int_in(1, 1024, "a positive integer")
+_seed = _int_in(0, 999_999, "an integer from 0 to 999999")
+_rounds = _int_in(1, 1000, "a positive integer")
+_ranks = _int_in(1, 2**31 - 1, "a positive integer")
+_finite = (math.isfinite, "a finite number")
+_positive_float = _checked(float, "a positive number such as 1e-3", [_finite, (lambda v: v > 0, "> 0")])
+_non_negative_float = _checked(float, "a number >= 0 such as 12", [_finite, (lambda v: v >= 0, ">= 0")])
+_count = _checked(float, "a number such as 7.5e9",
+                  [_finite, (lambda v: v >= 1, ">= 1"), (lambda v: v <= 1e18, "<= 1e18")], result=int)
 
 
 def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: str) -> None:
     p.add_argument("--model", default=preset, choices=sorted(PRESETS), help=f"model preset (default {preset})")
-    p.add_argument("--steps", type=_positive_int, default=steps, help=f"optimizer steps (default {steps})")
-    p.add_argument("--batch-size", type=_positive_int, default=batch, help=f"sequences per rank per micro-batch "
+    p.add_argument("--steps", type=_steps, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument("--batch-size", type=_batch, default=batch, help=f"sequences per rank per micro-batch "
                    f"(default {batch})")
-    p.add_argument("--world-size", type=_positive_int, default=None,
+    p.add_argument("--world-size", type=_local_ranks, default=None,
                    help="local ranks to start (default 2; under torchrun, torchrun decides)")
-    p.add_argument("--warmup-steps", type=_non_negative_int, default=2,
+    p.add_argument("--warmup-steps", type=_step_count, default=2,
                    help="steps left out of timing and bytes statistics (default 2)")
     p.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate (default 1e-3)")
-    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
-    p.add_argument("--threads-per-rank", type=_positive_int, default=None,
+    p.add_argument("--seed", type=_seed, default=0, help="model and data seed, 0 to 999999 (default 0)")
+    p.add_argument("--threads-per-rank", type=_thread_count, default=None,
                    help="intra-op threads per rank (default: CPU cores / ranks)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
 
@@ -103,12 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mode", default="zero2", choices=list(MODES), help="how to train (default zero2)")
     demo.add_argument("--amp", choices=["bf16", "fp16"], default=None,
                       help="autocast dtype; fp16 adds a (sharded) gradient scaler")
-    demo.add_argument("--grad-accum", type=_positive_int, default=1,
+    demo.add_argument("--grad-accum", type=_batch, default=1,
                       help="micro-batches per step; all but the last run under no_sync (default 1)")
     demo.add_argument("--checkpoint", metavar="PATH", default=None,
                       help="save here at the end (one file; a torch.distributed.checkpoint folder for fsdp2 modes)")
-    demo.add_argument("--save-every", type=_non_negative_int, default=0, help="also save every N steps")
-    demo.add_argument("--resume", action="store_true", help="continue from --checkpoint when it exists")
+    demo.add_argument("--save-every", type=_step_count, default=0,
+                      help="also save every N steps (needs --checkpoint; default 0: only at the end)")
+    resume = demo.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from --checkpoint, which must exist (a missing one is an error)")
+    resume.add_argument("--resume-if-exists", action="store_true",
+                        help="continue from --checkpoint when it exists, else start from step 0 (for jobs that "
+                             "are restarted by a scheduler)")
 
     bench = sub.add_parser("bench", help="compare modes side by side",
                            description="Run modes one after another on the same model, data and seed.")
@@ -116,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default=None,
                        help="comma-separated modes (default: every shardopt mode and installed peer); "
                             f"known: {', '.join(MODES)}")
-    bench.add_argument("--rounds", type=_positive_int, default=1,
+    bench.add_argument("--rounds", type=_rounds, default=1,
                        help="run the list of modes this many times, interleaved, and pool each mode's step "
                             "times (default 1; use 3+ on a shared or noisy machine)")
     bench.add_argument("--plot", metavar="PNG", default=None, help="draw the comparison (needs matplotlib)")
@@ -126,9 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     what = est.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9")
     what.add_argument("--model", help="a preset name or package.module:factory returning an nn.Module")
-    est.add_argument("--world-size", type=_positive_int, required=True, help="data-parallel ranks")
+    est.add_argument("--world-size", type=_ranks, required=True, help="data-parallel ranks")
     est.add_argument("--fp32", action="store_true", help="fp32 params/grads (default: mixed precision)")
-    est.add_argument("--optimizer-bytes", type=float, default=None,
+    est.add_argument("--optimizer-bytes", type=_non_negative_float, default=None,
                      help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
     est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
     return parser
@@ -154,7 +191,9 @@ def _under_torchrun() -> bool:
 # single-threaded, with torch and shardopt already imported, which forks each rank as fast as
 # fork did without inheriting anyone's threads. spawn is the fallback off Linux or once CUDA
 # is initialised here.
-_PRELOAD = ["torch", "torch._dynamo", "shardopt.runner", "shardopt.bench"]
+# shardopt.lifeline comes first: importing it in the fork server ties the server's life to
+# this process's (Note [no orphans]) before the slow imports.
+_PRELOAD = ["shardopt.lifeline", "torch", "torch._dynamo", "shardopt.runner", "shardopt.bench"]
 
 
 def _start_method() -> str:
@@ -178,7 +217,9 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
     Under ``torchrun`` this process already is one rank: ``entry`` runs here and the result
     is keyed by the global rank. Otherwise ``elastic_launch`` starts the ranks (from a fork
     server on Linux, Note [forkserver, not fork]; spawned otherwise) with a c10d rendezvous on the loopback
-    interface, and no restarts: a failing rank stops them all.
+    interface, and no restarts: a failing rank stops them all. The ranks and the fork server
+    die with this process, even when it is SIGKILLed (Note [no orphans] in
+    :mod:`shardopt.lifeline`).
 
     Args:
         entry: a module-level function (it must be picklable for spawn).
@@ -199,7 +240,15 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
         rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"shardopt-{os.getpid()}-{time.monotonic_ns()}",
         max_restarts=0, monitor_interval=0.1, start_method=_start_method(),
     )
-    return dict(elastic_launch(config, entry)(*args))
+    previous = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # read by a fork server started now
+    try:
+        return dict(elastic_launch(config, run_guarded)(os.getpid(), entry, *args))
+    finally:
+        if previous is None:
+            del os.environ[LAUNCHER_PID_ENV]
+        else:
+            os.environ[LAUNCHER_PID_ENV] = previous
 
 
 def _run_launched(command: str, entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
@@ -258,7 +307,7 @@ def _resolve_world(command: str, args: argparse.Namespace) -> int:
     return 2 if args.world_size is None else int(args.world_size)
 
 
-def _threads(args: argparse.Namespace, world: int) -> int:
+def _threads_per_rank(args: argparse.Namespace, world: int) -> int:
     if args.threads_per_rank is not None:
         return int(args.threads_per_rank)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -277,9 +326,13 @@ def _check_mode(command: str, name: str) -> None:
 def _demo(args: argparse.Namespace) -> int:
     world = _resolve_world("demo", args)
     _check_mode("demo", args.mode)
-    if args.resume and not args.checkpoint:
-        _fail("demo", "--resume needs --checkpoint PATH (where to resume from)")
-    scaler = get_mode(args.mode).fp16_scaler
+    _check_needs_checkpoint(args)
+    mode = get_mode(args.mode)
+    checkpoint_path = os.path.abspath(args.checkpoint) if args.checkpoint else None
+    if args.resume and checkpoint_path and not os.path.exists(checkpoint_path):
+        _fail("demo", f"--resume: no checkpoint at {checkpoint_path!r}; check the path, or use --resume-if-exists "
+              "to start from step 0 when there is none")
+    scaler = mode.fp16_scaler
     if args.amp == "fp16" and scaler is None:
         supported = ", ".join(name for name, m in MODES.items() if m.fp16_scaler is not None)
         _fail("demo", f"--amp fp16 is supported with {supported}, not {args.mode!r}; use --amp bf16 (no scaler "
@@ -291,15 +344,67 @@ def _demo(args: argparse.Namespace) -> int:
     job = TrainJob(
         mode=args.mode, preset=args.model, steps=args.steps, batch_size=args.batch_size,
         grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp,
-        warmup_steps=args.warmup_steps, checkpoint_path=os.path.abspath(args.checkpoint) if args.checkpoint else None,
-        resume=args.resume, save_every_steps=args.save_every, threads_per_rank=_threads(args, world),
+        warmup_steps=args.warmup_steps, checkpoint_path=checkpoint_path, resume=args.resume or args.resume_if_exists,
+        save_every_steps=args.save_every, threads_per_rank=_threads_per_rank(args, world),
     )
-    if job.resume and job.checkpoint_path and os.path.exists(job.checkpoint_path):
+    if job.resume and checkpoint_path and os.path.exists(checkpoint_path):
         _check_checkpoint(job)
+    if checkpoint_path and not mode.checkpoints:
+        _fail("demo", f"--checkpoint is not supported with mode {mode.name!r} (shardopt cannot consolidate its "
+              f"optimizer state); use one of {', '.join(n for n, m in MODES.items() if m.checkpoints)}, or drop "
+              "--checkpoint")
+    if checkpoint_path:
+        kind = "a folder" if mode.sharded_checkpoint else "one file"
+        _check_writable("demo", "--checkpoint", checkpoint_path, folder=mode.sharded_checkpoint,
+                        why=f"mode {mode.name!r} saves {kind} there")
+    if args.json:
+        _check_writable("demo", "--json", args.json, folder=False, why="the results are written there")
     from shardopt.cli_render import demo_rank
 
     results = _run_launched("demo", demo_rank, world, job, args.json)
     return 0 if results else 1
+
+
+def _check_needs_checkpoint(args: argparse.Namespace) -> None:
+    """Options that only make sense with ``--checkpoint``."""
+    if args.checkpoint:
+        return
+    for option, given, why in (("--resume", args.resume, "where to resume from"),
+                               ("--resume-if-exists", args.resume_if_exists, "where to resume from"),
+                               ("--save-every", args.save_every > 0, "where to save")):
+        if given:
+            _fail("demo", f"{option} needs --checkpoint PATH ({why})")
+
+
+# Note [paths checked at startup]
+# Checkpoints and results are written after training, so a path that cannot be written
+# would cost the whole run. Every output path is checked before any rank starts: the path
+# must not be a folder where a file goes (or a file where a folder goes), and the nearest
+# existing folder on the way to it must be a folder in which this process can create a
+# file (missing folders below it are created at save time, as before). A probe file is
+# created and removed rather than asking os.access, which says yes to root everywhere.
+
+
+def _check_writable(command: str, option: str, path: str, folder: bool, why: str) -> None:
+    """Fail now with one line when ``path`` cannot be written later (Note [paths checked at startup])."""
+    path = os.path.abspath(path)
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        _fail(command, f"{option} {path!r} is a file, but {why}; remove it or choose another path")
+    if not folder and os.path.isdir(path):
+        _fail(command, f"{option} {path!r} is a folder, but {why}; choose a file path")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        _fail(command, f"{option} {path!r} cannot be written: {parent!r} is a file, not a folder; choose another "
+              "path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".shardopt-probe-")
+    except OSError as exc:
+        _fail(command, f"{option} {path!r} cannot be written: cannot create files in {parent!r} ({exc.strerror}); "
+              "choose a writable path")
+    os.close(fd)
+    os.remove(probe)
 
 
 def _check_checkpoint(job: TrainJob) -> None:
@@ -349,10 +454,13 @@ def _bench(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             _fail("bench", "--plot needs matplotlib, which is not installed; pip install matplotlib, or drop --plot")
+        _check_writable("bench", "--plot", args.plot, folder=False, why="the plot is written there")
+    if args.json:
+        _check_writable("bench", "--json", args.json, folder=False, why="the results are written there")
     names = ["ddp"] + [n for n in dict.fromkeys(names) if n != "ddp"]
     from shardopt.bench import run_bench
 
-    return run_bench(args, names, world, _threads(args, world), _run_launched)
+    return run_bench(args, names, world, _threads_per_rank(args, world), _run_launched)
 
 
 # ---------------------------------------------------------------------- estimate
@@ -380,6 +488,8 @@ def _load_factory(command: str, spec: str) -> torch.nn.Module:
 
 
 def _estimate(args: argparse.Namespace) -> int:
+    if args.json:
+        _check_writable("estimate", "--json", args.json, folder=False, why="the result is written there")
     largest = None
     if args.model is not None:
         with torch.device("meta"):

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt.optim import OSS
 
-__all__ = ["MODES", "OWN_MODES", "PEER_MODES", "Mode", "Wrapped", "full_parameters", "get_mode"]
+__all__ = ["MODES", "OWN_MODES", "PEER_MODES", "Mode", "Wrapped", "full_parameters", "get_mode", "load_optimizer_state"]
 
 
 @dataclass
@@ -45,6 +45,9 @@ class Wrapped:
             full values need :func:`full_parameters`.
         checkpoint_target: the object whose state a checkpoint saves: the unwrapped module
             when its parameters are full, else the sharding wrapper.
+        param_names: the unwrapped model's parameter names in ``named_parameters()`` order,
+            read before wrapping (set by :meth:`Mode.wrap`); position ``i`` is parameter id
+            ``i`` of a plain ``torch.optim`` state dict over the model.
     """
 
     model: nn.Module
@@ -54,6 +57,7 @@ class Wrapped:
     zero_grad: Callable[[], None]
     sharded_params: bool = False
     checkpoint_target: nn.Module | None = None
+    param_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.checkpoint_target is None:
@@ -79,6 +83,8 @@ class Mode:
         fp16_scaler: the gradient scaler fp16 autocast uses: ``"torch"`` (gradients are full
             and identical on every rank), ``"sharded"`` (ShardedGradScaler: ranks see
             different gradients and must agree on inf/nan), or ``None`` (fp16 unsupported).
+        checkpoints: the demo can save and resume this mode (peers whose optimizer state
+            :mod:`shardopt.checkpoint` cannot consolidate cannot).
     """
 
     name: str
@@ -89,6 +95,23 @@ class Mode:
     peer: bool = False
     sharded_checkpoint: bool = False
     fp16_scaler: str | None = None
+    checkpoints: bool = True
+
+    def wrap(self, module: nn.Module, lr: float, device: Any) -> Wrapped:
+        """:attr:`build`, with :attr:`Wrapped.param_names` read from ``module`` before it is wrapped.
+
+        Args:
+            module: the freshly built model (the same on every rank).
+            lr: the learning rate.
+            device: the device it trains on.
+
+        Returns:
+            The wrapped model and its optimizer.
+        """
+        names = tuple(name for name, _ in module.named_parameters())
+        wrapped = self.build(module, lr, device)
+        wrapped.param_names = names
+        return wrapped
 
     def unavailable(self) -> str | None:
         """``None`` when this mode can run here, else a one-line reason with the fix."""
@@ -187,11 +210,11 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn.fsdp", "FullyShardedDataParallel"),
          _OWN_HINT, _build_zero3, fp16_scaler="sharded"),
     Mode("torch-zero", "DDP + torch ZeroRedundancyOptimizer", ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
-         "it ships with torch.distributed", _build_torch_zero, peer=True, fp16_scaler="torch"),
+         "it ships with torch.distributed", _build_torch_zero, peer=True, fp16_scaler="torch", checkpoints=False),
     Mode("fairscale", "fairscale OSS + ShardedDDP, zero_grad(set_to_none=False)", ("fairscale", "__version__"),
-         _FAIRSCALE_HINT, _fairscale_builder(False), peer=True),
+         _FAIRSCALE_HINT, _fairscale_builder(False), peer=True, checkpoints=False),
     Mode("fairscale-default", "fairscale OSS + ShardedDDP, default zero_grad()", ("fairscale", "__version__"),
-         _FAIRSCALE_HINT, _fairscale_builder(None), peer=True),
+         _FAIRSCALE_HINT, _fairscale_builder(None), peer=True, checkpoints=False),
     Mode("fsdp2", "torch fully_shard, reshard_after_forward=False", ("torch.distributed.fsdp", "fully_shard"),
          "it needs torch >= 2.6", _fsdp2_builder(False), peer=True, sharded_checkpoint=True),
     Mode("fsdp2-reshard", "torch fully_shard, reshard_after_forward=True", ("torch.distributed.fsdp", "fully_shard"),
@@ -232,3 +255,63 @@ def full_parameters(wrapped: Wrapped) -> dict[str, torch.Tensor]:
         full = param.full_tensor() if hasattr(param, "full_tensor") else param  # DTensor (FSDP2)
         out[name] = full.detach().cpu().clone()
     return out
+
+
+# Note [two consolidated optimizer layouts]
+# A consolidated checkpoint's optimizer state comes in one of two layouts, by the mode that
+# saved it: ddp, zero1 and zero2 save a plain torch.optim state dict whose parameter ids are
+# positions in the unwrapped model's named_parameters() (OSS consolidates to exactly that);
+# zero3 saves FullyShardedDataParallel.full_optim_state_dict, the same entries keyed by
+# parameter name (its optimizer sees flat shards, so only names survive a change of world
+# size or wrapping). Both hold full-shaped tensors, so any consolidated mode can resume
+# from either: load_optimizer_state rekeys by name through Wrapped.param_names, then zero3
+# cuts the entries to its shards with shard_full_optim_state_dict and the others load the
+# plain dict (OSS keeps the entries it owns).
+
+
+def _by_name(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """``state`` in the name-keyed layout (unchanged when it already is)."""
+    groups = state["param_groups"]
+    if all(isinstance(p, str) for g in groups for p in g["params"]):
+        return state
+    if sorted(p for g in groups for p in g["params"]) != list(range(len(names))):
+        raise ValueError(f"the checkpoint's optimizer state covers parameter ids "
+                         f"{sorted(p for g in groups for p in g['params'])[:5]}..., not the model's {len(names)} "
+                         "parameters; resume with the model that saved it")
+    return {"state": {names[i]: entry for i, entry in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
+
+
+def _by_position(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """A name-keyed ``state`` as a plain torch.optim state dict over ``names`` (ids in model order)."""
+    index = {name: i for i, name in enumerate(names)}
+    unknown = [p for g in state["param_groups"] for p in g["params"] if p not in index]
+    if unknown:
+        raise ValueError(f"the checkpoint's optimizer state has parameters {unknown[:5]} that this model lacks; "
+                         "resume with the model that saved it")
+    return {"state": {index[name]: entry for name, entry in state["state"].items()},
+            "param_groups": [{**g, "params": sorted(index[p] for p in g["params"])} for g in state["param_groups"]]}
+
+
+def load_optimizer_state(wrapped: Wrapped, state: dict[str, Any]) -> None:
+    """Load a consolidated optimizer state saved by any consolidated mode into ``wrapped.optimizer``.
+
+    How it works: Note [two consolidated optimizer layouts]. Call on every rank with the same
+    ``state``; no communication.
+
+    Args:
+        wrapped: the model and optimizer (built by :meth:`Mode.wrap`).
+        state: the checkpoint's optimizer state, in either layout.
+
+    Raises:
+        ValueError: ``wrapped`` has no parameter names (not built by :meth:`Mode.wrap`), or
+            ``state`` belongs to another model.
+    """
+    if not wrapped.param_names:
+        raise ValueError("wrapped.param_names is empty; build the model with Mode.wrap, which records them")
+    by_name = _by_name(state, wrapped.param_names)
+    shard = getattr(type(wrapped.checkpoint_target), "shard_full_optim_state_dict", None)
+    if shard is not None:  # ZeRO-3: its optimizer holds pieces of flat shards, keyed by name in the checkpoint
+        wrapped.optimizer.load_state_dict(shard(by_name, wrapped.checkpoint_target, wrapped.optimizer))
+    else:
+        wrapped.optimizer.load_state_dict(_by_position(by_name, wrapped.param_names))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from shardopt import checkpoint, comm
 from shardopt.memory import MemoryRecorder
 from shardopt.models import PRESETS, CharBatches, build_model, stdlib_corpus
-from shardopt.modes import Wrapped, full_parameters, get_mode
+from shardopt.modes import Wrapped, full_parameters, get_mode, load_optimizer_state
 
 __all__ = ["RankReport", "StepInfo", "TrainJob", "check_resumable", "init_process_group_from_env", "train"]
 
@@ -229,7 +229,12 @@ def _resume(job: TrainJob, wrapped: Wrapped, scaler: Any | None) -> int:
     if get_mode(job.mode).sharded_checkpoint:
         extra = checkpoint.load_sharded(path, wrapped.checkpoint_target, wrapped.optimizer)
     else:
-        extra = checkpoint.load_consolidated(path, wrapped.checkpoint_target, wrapped.optimizer)
+        # The model and extra through load_consolidated; the optimizer state (saved in either
+        # of two layouts, Note [two consolidated optimizer layouts]) through the mode.
+        extra = checkpoint.load_consolidated(path, wrapped.checkpoint_target, None)
+        optim_state = torch.load(path, map_location="cpu", weights_only=True)["optimizer"]
+        if optim_state is not None:
+            load_optimizer_state(wrapped, optim_state)
     if scaler is not None and extra.get("scaler"):
         scaler.load_state_dict(extra["scaler"])
     return int(extra["step"])
@@ -291,7 +296,7 @@ def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> l
     recorder.start()
     module = build_model(cfg, seed=job.seed, device=device)
     num_params = sum(p.numel() for p in module.parameters())
-    wrapped = mode.build(module, job.lr, device)
+    wrapped = mode.wrap(module, job.lr, device)
     scaler = _make_scaler(job, device)
     start = _resume(job, wrapped, scaler)
     tokens_per_step = job.batch_size * cfg.seq_len * job.grad_accum_steps * world

@@ -5,8 +5,9 @@ with DDP, bad arguments end in one line and exit code 2, and Ctrl-C stops every 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -72,6 +73,11 @@ BAD_ARGUMENTS = [
     (["bench", "--modes", "fairscale"], "mode 'fairscale' needs fairscale, which is not installed; install it"),
     (["demo", "--mode", "zero3"], "mode 'zero3' needs shardopt.nn.fsdp.FullyShardedDataParallel"),
     (["demo", "--resume"], "--resume needs --checkpoint PATH"),
+    (["demo", "--resume-if-exists"], "--resume-if-exists needs --checkpoint PATH (where to resume from)"),
+    (["demo", "--save-every", "5"], "--save-every needs --checkpoint PATH (where to save)"),
+    (["demo", "--mode", "torch-zero", "--checkpoint", "x.pt"], "--checkpoint is not supported with mode "
+     "'torch-zero' (shardopt cannot consolidate its optimizer state); use one of ddp, zero1, zero2, zero3, fsdp2"),
+    (["demo", "--resume", "--resume-if-exists"], "argument --resume-if-exists: not allowed with argument --resume"),
     (["bench", "--steps", "2"], "--steps 2 leaves nothing to measure after --warmup-steps 2"),
     (["bench", "--plot", "x.png"], "--plot needs matplotlib"),
     (["estimate", "--model", "nomodule", "--world-size", "2"], "must be a preset"),
@@ -100,6 +106,73 @@ def _assert_one_line_errors(cases: list[tuple[list[str], str]], capsys: pytest.C
         assert exc.value.code == 2, (argv, err)
         assert err.count("\n") == 1 and err.startswith(f"shardopt {argv[0]}: error: "), (argv, err)
         assert expected in err, (argv, err)
+
+
+HUGE = "1" + "0" * 30
+BAD_INTS = ["ten", "1.5", "nan", HUGE]
+BAD_FLOATS = ["ten", "nan", "inf", "-inf", "1e400", "-1"]
+ESTIMATE = ["estimate", "--params", "1e9", "--world-size", "2"]
+# every numeric option of every command: (the command's other arguments, option, values it must refuse)
+NUMERIC_OPTIONS = [
+    *[([command], option, [*BAD_INTS, "0" if low == 1 else "-1"])
+      for command in ("demo", "bench")
+      for option, low in (("--steps", 1), ("--batch-size", 1), ("--world-size", 1), ("--warmup-steps", 0),
+                          ("--seed", 0), ("--threads-per-rank", 1))],
+    *[([command], "--lr", [*BAD_FLOATS, "0"]) for command in ("demo", "bench")],
+    (["demo"], "--grad-accum", [*BAD_INTS, "0"]),
+    (["demo"], "--save-every", [*BAD_INTS, "-1"]),
+    (["bench"], "--rounds", [*BAD_INTS, "0"]),
+    (ESTIMATE, "--params", [*BAD_FLOATS, "0.5", "1e30"]),
+    (ESTIMATE, "--world-size", [*BAD_INTS, "0"]),
+    (ESTIMATE, "--optimizer-bytes", BAD_FLOATS),
+]
+
+
+def test_every_bad_number_is_a_one_line_usage_error_naming_its_option(capsys: pytest.CaptureFixture[str]) -> None:
+    cases = [([*base, f"{option}={value}"], f"argument {option}: ")
+             for base, option, values in NUMERIC_OPTIONS for value in values]
+    assert len(cases) > 80
+    _assert_one_line_errors(cases, capsys)
+    _assert_one_line_errors([
+        (["demo", "--steps", HUGE], f"argument --steps: must be <= 1000000000, got {HUGE[:12]}...(31 chars)"),
+        (["demo", "--lr", "nan"], "argument --lr: must be a finite number, got nan"),
+        (["demo", "--seed", "1000000"], "argument --seed: must be <= 999999, got 1000000"),
+        (["estimate", "--params", "1e400", "--world-size", "2"], "argument --params: must be a finite number"),
+        (["estimate", "--params", "7e9", "--world-size", "2", "--optimizer-bytes", "-1"],
+         "argument --optimizer-bytes: must be >= 0, got -1"),
+    ], capsys)
+
+
+def test_resume_without_a_checkpoint_is_refused_at_startup(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.pt"
+    _assert_one_line_errors([
+        (["demo", "--checkpoint", str(missing), "--resume"],
+         f"--resume: no checkpoint at {str(missing)!r}; check the path, or use --resume-if-exists"),
+    ], capsys)  # --resume-if-exists starting from step 0: see the cross-mode resume test
+
+
+def test_unwritable_output_paths_are_refused_before_training(tmp_path: Any,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    a_file, a_folder = tmp_path / "file.txt", tmp_path / "folder"
+    a_file.write_text("x")
+    a_folder.mkdir()
+    under_file = str(a_file / "sub" / "out.pt")
+    cases = [
+        (["demo", "--checkpoint", under_file], f"--checkpoint {under_file!r} cannot be written: {str(a_file)!r} is "
+         "a file, not a folder"),
+        (["demo", "--checkpoint", str(a_folder)], f"--checkpoint {str(a_folder)!r} is a folder, but mode 'zero2' "
+         "saves one file there"),
+        (["demo", "--mode", "fsdp2", "--checkpoint", str(a_file)], f"--checkpoint {str(a_file)!r} is a file, but "
+         "mode 'fsdp2' saves a folder there"),
+        (["demo", "--json", under_file], "--json"),
+        (["bench", "--json", str(a_folder)], "--json"),
+        ([*ESTIMATE, "--json", under_file], "--json"),
+    ]
+    if os.path.isdir("/proc"):  # a folder nobody can create files in, root included
+        cases.append((["demo", "--checkpoint", "/proc/shardopt.pt"], "--checkpoint '/proc/shardopt.pt' cannot be "
+                      "written: cannot create files in '/proc'"))
+    _assert_one_line_errors(cases, capsys)
+    assert sorted(os.listdir(tmp_path)) == ["file.txt", "folder"] and os.listdir(a_folder) == []  # no probe left
 
 
 def test_torchrun_and_checkpoint_mismatches_end_in_one_line(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
@@ -160,6 +233,24 @@ def test_demo_reports_every_rank_and_resumes_from_its_own_checkpoint(tmp_path: A
         assert r["heap_after_step"] > 0 and r["heap_peak"] >= r["heap_after_step"]
         assert r["bytes_per_step"] > 0 and r["median_step_s"] > 0 and r["counted_steps"] == 4
     assert straight["machine"]["measures"]["heap"].startswith("glibc")
+
+
+def test_consolidated_checkpoints_resume_under_every_consolidated_mode(tmp_path: Any) -> None:
+    # At 2 ranks in fp32 every mode does DDP's arithmetic, so a resumed run must end with the
+    # loss of an uninterrupted one, whichever mode saved and whichever resumed.
+    straight = [r["final_loss"] for r in _demo(tmp_path, "straight", "--steps", "6")["ranks"]]
+    for saver, resumers in (("zero2", ("zero3", "zero1", "ddp")), ("zero3", ("zero2",))):
+        saved = str(tmp_path / f"{saver}.pt")
+        first = _demo(tmp_path, f"{saver}-first", "--mode", saver, "--steps", "3", "--checkpoint", saved,
+                      "--resume-if-exists")  # nothing there yet: starts from step 0
+        assert [r["start_step"] for r in first["ranks"]] == [0, 0]
+        for mode in resumers:
+            ckpt = str(tmp_path / f"{saver}-to-{mode}.pt")
+            shutil.copyfile(saved, ckpt)
+            resumed = _demo(tmp_path, f"{saver}-to-{mode}", "--mode", mode, "--steps", "6", "--checkpoint", ckpt,
+                            "--resume")
+            assert [r["start_step"] for r in resumed["ranks"]] == [3, 3], (saver, mode)
+            assert [r["final_loss"] for r in resumed["ranks"]] == straight, (saver, mode)
 
 
 def test_sharded_modes_match_ddp_with_accumulation_under_bf16_and_fp16(tmp_path: Any) -> None:
@@ -250,7 +341,7 @@ def _session_processes(sid: int) -> list[int]:
                 continue
             if int(fields[3]) == sid and fields[0] != "Z":
                 found.append(int(entry))
-    return found
+    return sorted(found)
 
 
 def test_ctrl_c_stops_all_ranks_and_exits_130() -> None:
@@ -275,6 +366,29 @@ def test_ctrl_c_stops_all_ranks_and_exits_130() -> None:
     while _session_processes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _session_processes(proc.pid) == []
+
+
+def test_killing_the_launcher_takes_the_fork_server_and_every_rank_with_it() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardopt", "demo", *TINY, "--steps", "100000"], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert "training tiny with zero2 on 2 ranks" in first, first
+        family = _session_processes(proc.pid)  # launcher, fork server, 2 ranks, resource tracker
+        assert len(family) >= 4, family
+        os.kill(proc.pid, signal.SIGKILL)  # what the OOM killer does: nothing can clean up
+        proc.wait()
+        start = time.monotonic()
+        while _session_processes(proc.pid) and time.monotonic() - start < 5:
+            time.sleep(0.02)
+        assert _session_processes(proc.pid) == [], f"orphans after {time.monotonic() - start:.1f} s"
+    finally:
+        for left in _session_processes(proc.pid):
+            os.kill(left, signal.SIGKILL)
 
 
 def test_demo_runs_unchanged_under_torchrun(tmp_path: Any) -> None:
