@@ -281,6 +281,15 @@ def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> l
         RuntimeError: no process group (call :func:`init_process_group_from_env` first).
     """
     comm.require_initialized("shardopt.runner.train")
+    try:
+        return _train(job, on_step)
+    except BaseException as exc:
+        # The other ranks' collectives end naming this rank and why (Note [failure board]).
+        comm.report_failure(f"{type(exc).__name__}: {exc}".splitlines()[0])
+        raise
+
+
+def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[RankReport]:
     mode = get_mode(job.mode)
     if job.preset not in PRESETS:
         raise ValueError(f"unknown model preset {job.preset!r}; choose one of {sorted(PRESETS)}")
