@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardopt import checkpoint, comm
-from shardopt.models import CharBatches, build_model, stdlib_corpus
+from shardopt.app.models import CharBatches, build_model, stdlib_corpus
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
 from tests.common import max_abs_diff, rank_batch, seeded_mlp

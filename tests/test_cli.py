@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -19,9 +18,10 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardopt.nn.fsdp
-from shardopt.bench import merge_rounds
-from shardopt.cli import _run_launched, main
-from shardopt.models import PRESETS
+from shardopt.app.bench import merge_rounds
+from shardopt.app.cli import main
+from shardopt.app.launch import run_launched
+from shardopt.app.models import PRESETS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "tiny", "--batch-size", "2", "--threads-per-rank", "1"]
@@ -201,7 +201,7 @@ def _fail_on_rank_1() -> None:
 def test_a_failing_rank_stops_the_run_with_its_error(capfd: pytest.CaptureFixture[str]) -> None:
     start = time.monotonic()
     with pytest.raises(SystemExit) as exc:
-        _run_launched("demo", _fail_on_rank_1, 2)
+        run_launched("demo", _fail_on_rank_1, 2)
     err = capfd.readouterr().err
     assert exc.value.code == 1
     assert time.monotonic() - start < 45  # rank 0 was stopped, not waited for

@@ -1,4 +1,4 @@
-"""shardopt.lifeline: a process armed with die_with_launcher dies with its launcher, through
+"""shardopt.app.lifeline: a process armed with die_with_launcher dies with its launcher, through
 prctl or, where prctl is unavailable, the watchdog thread, and at once when the launcher is
 already gone. (The whole launcher, fork server and ranks: test_cli.py.)"""
 
@@ -13,7 +13,7 @@ import time
 from tests.test_cli import REPO, _session_processes
 
 # a "rank" that arms itself against its parent without prctl, so only the watchdog can act
-_RANK = ("import os, time; from shardopt import lifeline; lifeline._set_parent_death_signal = lambda: False; "
+_RANK = ("import os, time; from shardopt.app import lifeline; lifeline._set_parent_death_signal = lambda: False; "
          "lifeline.die_with_launcher(os.getppid()); print('armed', flush=True); time.sleep(60)")
 _LAUNCHER = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', %r], stdout=subprocess.PIPE, "
              "text=True); print(p.pid, p.stdout.readline().strip(), flush=True); time.sleep(60)" % _RANK)
@@ -39,6 +39,6 @@ def test_watchdog_kills_a_rank_whose_launcher_died_when_prctl_is_unavailable() -
 
 def test_a_process_whose_launcher_is_already_gone_kills_itself() -> None:
     # pid 1 is not this child's parent or grandparent: as if the launcher died before prctl
-    done = subprocess.run([sys.executable, "-c", "from shardopt import lifeline; lifeline.die_with_launcher(1); "
+    done = subprocess.run([sys.executable, "-c", "from shardopt.app import lifeline; lifeline.die_with_launcher(1); "
                            "print('survived')"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == -signal.SIGKILL and "survived" not in done.stdout, done

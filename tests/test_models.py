@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardopt.models import GPT, PRESETS, CharBatches, GPTConfig, build_model, stdlib_corpus
+from shardopt.app.models import GPT, PRESETS, CharBatches, GPTConfig, build_model, stdlib_corpus
 
 
 def test_presets_count_their_parameters_and_27m_is_27m() -> None:

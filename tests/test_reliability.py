@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from shardopt import comm
-from shardopt.failures import CollectiveError, describe
+from shardopt.failures import describe
 from shardopt.nn import FullyShardedDataParallel as FSDP
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS

@@ -7,16 +7,6 @@ a forward first becomes the *root*: it creates the one
 :class:`~shardopt.nn.fsdp.context.StepContext` that every unit of its tree shares
 (recorded execution order, reductions in flight, the end-of-backward callback guard,
 ``no_sync``).
-
-Note [state dict through a parent]
-Trainers save ``lightning_module.state_dict()`` or ``model.state_dict()`` of a module that
-*contains* the wrapper, so torch's recursion reaches the wrapper with a prefix. It then
-answers like a direct call (full tensors, original names, under the prefix) instead of
-its internal wrapper levels and 1-D shards, so such a file loads into the plain model. A
-parent's ``load_state_dict`` likewise works: a pre-hook gathers full parameters and maps
-the clean names to the wrapper levels, and a post-hook writes the loaded values back to
-the shards. Both are collectives: every rank calls the parent's method.
-
 """
 
 from __future__ import annotations
@@ -43,21 +33,13 @@ from shardopt.nn.fsdp.options import (
     make_config,
 )
 from shardopt.nn.fsdp.records import TrainingState
-from shardopt.nn.fsdp.state_dict import load_sharded, sharded_state
+from shardopt.nn.fsdp.state_dict import WRAPPED, ParentLoad, clean_name, load_sharded, sharded_state
 from shardopt.nn.fsdp.unit import Unit
 from shardopt.nn.fsdp.wrap import AutoWrapPolicy, auto_wrap, claim_params, owner_of, registrations
 
 __all__ = ["FullyShardedDataParallel"]
 
 logger = logging.getLogger(__name__)
-
-_WRAPPED = "_fsdp_wrapped_module"
-
-
-def clean_name(name: str) -> str:
-    """A parameter/buffer name without the wrapper levels FSDP inserted."""
-    return name.replace(_WRAPPED + ".", "")
-
 
 class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state over ranks (ZeRO-3).
@@ -180,9 +162,10 @@ class FullyShardedDataParallel(nn.Module):
             self._unit.handle = FlatParamHandle(
                 params, config.shard_rank, config.shard_size, config.mixed_precision.param_dtype
             )
-        self._parent_load: contextlib.ExitStack | None = None
-        self._register_load_state_dict_pre_hook(FullyShardedDataParallel._pre_load, with_module=True)
-        self.register_load_state_dict_post_hook(FullyShardedDataParallel._post_load)
+        # Note [state dict through a parent] in state_dict
+        parent_load = ParentLoad(self._unit, lambda: self.summon_full_params(recurse=True, writeback=True))
+        self._register_load_state_dict_pre_hook(parent_load.pre, with_module=True)
+        self.register_load_state_dict_post_hook(parent_load.post)
         logger.debug("FSDP unit %r: %d parameters", name, len(params))
 
     # ------------------------------------------------------------------ plumbing
@@ -200,9 +183,9 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == _WRAPPED:
+            if name == WRAPPED:
                 raise
-            return getattr(self._modules[_WRAPPED], name)
+            return getattr(self._modules[WRAPPED], name)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
@@ -405,8 +388,8 @@ class FullyShardedDataParallel(nn.Module):
             if self._unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
                 # inside an enclosing unit's gather: raw entries, the caller cleans the names
                 return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-            # Note [state dict through a parent]: the same full, clean-named tensors a direct
-            # call gives, under the parent's prefix.
+            # Note [state dict through a parent] in state_dict: the same full, clean-named
+            # tensors a direct call gives, under the parent's prefix.
             if args:  # torch's old positional form state_dict(destination, prefix, keep_vars)
                 destination = args[0]
                 prefix = args[1] if len(args) > 1 else prefix
@@ -422,29 +405,6 @@ class FullyShardedDataParallel(nn.Module):
                     value = value.detach().clone()
                     out[clean_name(name)] = value.cpu() if offload_to_cpu else value
         return out
-
-    def _pre_load(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Note [state dict through a parent]: a parent's ``load_state_dict`` reached this
-        wrapper. Gather full parameters (written back after the load) and rename this
-        subtree's clean keys to the wrapper levels the recursion looks for."""
-        if self._unit.training_state is not TrainingState.SUMMON_FULL_PARAMS:
-            self._parent_load = contextlib.ExitStack()
-            self._parent_load.enter_context(self.summon_full_params(recurse=True, writeback=True))
-        raw = [n for n, _ in nn.Module.named_parameters(self, remove_duplicate=False)]
-        raw += [n for n, _ in nn.Module.named_buffers(self, remove_duplicate=False)]
-        for name in raw:
-            clean = clean_name(name)
-            if clean != name and prefix + clean in state_dict and prefix + name not in state_dict:
-                state_dict[prefix + name] = state_dict.pop(prefix + clean)
-
-    @staticmethod
-    def _post_load(module: nn.Module, incompatible: Any) -> None:
-        assert isinstance(module, FullyShardedDataParallel)
-        incompatible.missing_keys[:] = [clean_name(k) for k in incompatible.missing_keys]
-        incompatible.unexpected_keys[:] = [clean_name(k) for k in incompatible.unexpected_keys]
-        if module._parent_load is not None:
-            stack, module._parent_load = module._parent_load, None
-            stack.close()
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a full state dict (original names) into the shards.

@@ -15,11 +15,22 @@ unit keep their shapes, and those and the buffers are plain tensors that ``dcp``
 deduplicates. Under HYBRID_SHARD each
 replica group describes the same pieces (placed on its own global ranks) and ``dcp``
 keeps one copy of each.
+
+Note [state dict through a parent]
+Trainers save ``lightning_module.state_dict()`` or ``model.state_dict()`` of a module that
+*contains* the wrapper, so torch's recursion reaches the wrapper with a prefix. It then
+answers like a direct call (full tensors, original names, under the prefix) instead of
+its internal wrapper levels and 1-D shards, so such a file loads into the plain model. A
+parent's ``load_state_dict`` likewise works: a pre-hook gathers full parameters and maps
+the clean names to the wrapper levels, and a post-hook writes the loaded values back to
+the shards. Both are collectives: every rank calls the parent's method.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
@@ -28,9 +39,53 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardM
 
 from shardopt import comm
 from shardopt.nn.fsdp.flat_param import ParamSlot
+from shardopt.nn.fsdp.records import TrainingState
 from shardopt.nn.fsdp.unit import Unit
 
-__all__ = ["load_sharded", "piece_tensor", "sharded_state"]
+__all__ = ["WRAPPED", "ParentLoad", "clean_name", "load_sharded", "piece_tensor", "sharded_state"]
+
+WRAPPED = "_fsdp_wrapped_module"
+"""The attribute under which a wrapper holds its module (one level in raw parameter names)."""
+
+
+def clean_name(name: str) -> str:
+    """A parameter/buffer name without the wrapper levels FSDP inserted."""
+    return name.replace(WRAPPED + ".", "")
+
+
+class ParentLoad:
+    """The load-state-dict hooks of one wrapper (Note [state dict through a parent]).
+
+    Args:
+        unit: the wrapper's unit (its training state says whether an enclosing call
+            already gathered the parameters).
+        summon: enters the wrapper's ``summon_full_params(recurse=True, writeback=True)``.
+    """
+
+    def __init__(self, unit: Unit, summon: Callable[[], AbstractContextManager[None]]) -> None:
+        self.unit, self.summon = unit, summon
+        self.stack: ExitStack | None = None
+
+    def pre(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """A parent's ``load_state_dict`` reached the wrapper: gather full parameters (written
+        back by :meth:`post`) and rename this subtree's clean keys to the raw ones."""
+        if self.unit.training_state is not TrainingState.SUMMON_FULL_PARAMS:
+            self.stack = ExitStack()
+            self.stack.enter_context(self.summon())
+        raw = [n for n, _ in nn.Module.named_parameters(module, remove_duplicate=False)]
+        raw += [n for n, _ in nn.Module.named_buffers(module, remove_duplicate=False)]
+        for name in raw:
+            clean = clean_name(name)
+            if clean != name and prefix + clean in state_dict and prefix + name not in state_dict:
+                state_dict[prefix + name] = state_dict.pop(prefix + clean)
+
+    def post(self, module: nn.Module, incompatible: Any) -> None:
+        """After the wrapper's subtree is loaded: clean the reported names, write back."""
+        incompatible.missing_keys[:] = [clean_name(k) for k in incompatible.missing_keys]
+        incompatible.unexpected_keys[:] = [clean_name(k) for k in incompatible.unexpected_keys]
+        if self.stack is not None:
+            stack, self.stack = self.stack, None
+            stack.close()
 
 
 def _locate(units: list[Unit]) -> dict[int, Unit]:

@@ -6,7 +6,7 @@
   progress bar and ends with a per-rank table of memory, bytes sent, step time and loss.
 - ``shardopt bench`` runs several modes one after another, each in its own process group,
   on the same model, data and seed, and compares them with DDP (see
-  :mod:`shardopt.bench`).
+  :mod:`shardopt.app.bench`).
 - ``shardopt estimate`` prints the ZeRO paper's model-state bytes per rank.
 
 Bad arguments end with one line ``shardopt <command>: error: ...`` and exit code 2.
@@ -15,31 +15,24 @@ Bad arguments end with one line ``shardopt <command>: error: ...`` and exit code
 from __future__ import annotations
 
 import argparse
-import gc
-import logging
 import math
 import os
-import socket
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
 
 from shardopt import __version__
-from shardopt.lifeline import LAUNCHER_PID_ENV, run_guarded
+from shardopt.app.launch import run_launched, under_torchrun
 from shardopt.memory import estimate_model_states
-from shardopt.models import PRESETS
-from shardopt.modes import MODES, get_mode
-from shardopt.runner import TrainJob
+from shardopt.app.models import PRESETS
+from shardopt.app.modes import MODES, get_mode
+from shardopt.app.runner import TrainJob
 
 __all__ = ["main"]
 
-logger = logging.getLogger(__name__)
-
-_INTERRUPTED_EXIT = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,7 +74,7 @@ def _int_in(low: int, high: int, expected: str) -> Callable[[str], Any]:
 # Note [option bounds]
 # Upper bounds keep every value representable where it ends up, so a typo such as
 # --steps 10**30 is a usage error instead of a rank's traceback: the data seed
-# ((seed * 1_000_003 + step) * 1009 + micro) * 1031 + rank (shardopt.models.CharBatches) must
+# ((seed * 1_000_003 + step) * 1009 + micro) * 1031 + rank (shardopt.app.models.CharBatches) must
 # fit in int64, which it does with seed < 1e6, steps <= 1e9, grad-accum <= 2**20 and
 # world size <= 4096 (1.04e18 < 9.2e18); threads and local ranks are processes and OS threads
 # of this machine, batch sizes become tensor sizes. Floats must be finite.
@@ -176,129 +169,8 @@ def _fail(command: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-# ---------------------------------------------------------------------- launching
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-
-
-# Note [forkserver, not fork]
-# The elastic agent runs rendezvous threads in this process, and one of them may be inside
-# glibc's getaddrinfo (which holds the resolver's lock) at the moment a rank is forked: the
-# child then waits for that lock forever. A 4-rank bench hung that way (two ranks blocked in
-# get_locked_global, resolv_conf.c). So ranks come from a fork server: a process started once,
-# single-threaded, with torch and shardopt already imported, which forks each rank as fast as
-# fork did without inheriting anyone's threads. spawn is the fallback off Linux or once CUDA
-# is initialised here.
-# shardopt.lifeline comes first: importing it in the fork server ties the server's life to
-# this process's (Note [no orphans]) before the slow imports.
-_PRELOAD = ["shardopt.lifeline", "torch", "torch._dynamo", "shardopt.runner", "shardopt.bench"]
-
-
-def _start_method() -> str:
-    if not sys.platform.startswith("linux") or (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return "spawn"
-    import multiprocessing.forkserver
-
-    multiprocessing.forkserver.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
-    return "forkserver"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
-    """Run ``entry(*args)`` on ``world_size`` local ranks with torch's elastic launcher.
-
-    Under ``torchrun`` this process already is one rank: ``entry`` runs here and the result
-    is keyed by the global rank. Otherwise ``elastic_launch`` starts the ranks (from a fork
-    server on Linux, Note [forkserver, not fork]; spawned otherwise) with a c10d rendezvous on the loopback
-    interface, and no restarts: a failing rank stops them all. The ranks and the fork server
-    die with this process, even when it is SIGKILLed (Note [no orphans] in
-    :mod:`shardopt.lifeline`).
-
-    Args:
-        entry: a module-level function (it must be picklable for spawn).
-        world_size: local ranks to start.
-        *args: passed to ``entry`` on every rank.
-
-    Returns:
-        ``{rank: return value}``.
-    """
-    if _under_torchrun():
-        return {int(os.environ["RANK"]): entry(*args)}
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # The launcher logs every rank failure with its own prefixes; _run_launched reports it once.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world_size, rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"shardopt-{os.getpid()}-{time.monotonic_ns()}",
-        max_restarts=0, monitor_interval=0.1, start_method=_start_method(),
-    )
-    previous = os.environ.get(LAUNCHER_PID_ENV)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # read by a fork server started now
-    try:
-        return dict(elastic_launch(config, run_guarded)(os.getpid(), entry, *args))
-    finally:
-        if previous is None:
-            del os.environ[LAUNCHER_PID_ENV]
-        else:
-            os.environ[LAUNCHER_PID_ENV] = previous
-
-
-def _run_launched(command: str, entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
-    """:func:`launch`, turning Ctrl-C and rank failures into a message and an exit code.
-
-    See Note [no launcher leftovers] for why the exit happens outside the ``except`` blocks.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    lines: list[str] = []
-    code = 0
-    try:
-        return launch(entry, world_size, *args)
-    except (KeyboardInterrupt, SignalException):
-        lines, code = [f"shardopt {command}: interrupted; all ranks were stopped"], _INTERRUPTED_EXIT
-    except ChildFailedError as exc:
-        lines, code = _describe_failure(command, exc)
-    gc.collect()
-    sys.stderr.write("".join(line + "\n" for line in lines))
-    raise SystemExit(code)
-
-
-# Note [no launcher leftovers]
-# The elastic agent runs a c10d rendezvous store with its own threads in this process. When a
-# launch fails, the exception's traceback keeps the agent, and so those threads, alive; a
-# later launch in the same process (bench runs one per mode) would then fork a process that
-# has live C++ threads, and a forked rank can abort ("std::system_error: Invalid argument").
-# So failures are turned into plain text, the exception is dropped, and the garbage is
-# collected before anything else can fork.
-
-
-def _describe_failure(command: str, exc: Any) -> tuple[list[str], int]:
-    """The lines to print and the exit code for a ``ChildFailedError``."""
-    rank, failure = exc.get_first_failure()
-    message: dict[str, Any] = (failure.message if isinstance(failure.message, dict)
-                               else {"message": str(failure.message)})
-    detail = str(message.get("message", "")).strip()
-    if failure.exitcode in (-2, -15) or "KeyboardInterrupt" in detail:
-        return [f"shardopt {command}: interrupted; all ranks were stopped"], _INTERRUPTED_EXIT
-    info = message.get("extraInfo")
-    stack = info.get("py_callstack") if isinstance(info, dict) else None
-    lines = [f"--- rank {rank} traceback ---\n{stack.rstrip()}"] if stack else []
-    first = detail.splitlines()[0] if detail else f"exit code {failure.exitcode}"
-    lines.append(f"shardopt {command}: error: rank {rank} failed: {first}")
-    return lines, 1
-
-
 def _resolve_world(command: str, args: argparse.Namespace) -> int:
-    if _under_torchrun():
+    if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if args.world_size is not None and args.world_size != world:
             _fail(command, f"--world-size {args.world_size} differs from torchrun's WORLD_SIZE={world}; "
@@ -359,9 +231,9 @@ def _demo(args: argparse.Namespace) -> int:
                         why=f"mode {mode.name!r} saves {kind} there")
     if args.json:
         _check_writable("demo", "--json", args.json, folder=False, why="the results are written there")
-    from shardopt.cli_render import demo_rank
+    from shardopt.app.render import demo_rank
 
-    results = _run_launched("demo", demo_rank, world, job, args.json)
+    results = run_launched("demo", demo_rank, world, job, args.json)
     return 0 if results else 1
 
 
@@ -409,7 +281,7 @@ def _check_writable(command: str, option: str, path: str, folder: bool, why: str
 
 def _check_checkpoint(job: TrainJob) -> None:
     from shardopt.checkpoint import read_extra
-    from shardopt.runner import check_resumable
+    from shardopt.app.runner import check_resumable
 
     assert job.checkpoint_path is not None
     saved = read_extra(job.checkpoint_path)
@@ -435,7 +307,7 @@ def _scaler_unavailable() -> str | None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if _under_torchrun():
+    if under_torchrun():
         _fail("bench", "bench starts its own process groups, one per mode; run it directly, not under torchrun")
     world = _resolve_world("bench", args)
     if args.steps <= args.warmup_steps:
@@ -458,9 +330,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         _check_writable("bench", "--json", args.json, folder=False, why="the results are written there")
     names = ["ddp"] + [n for n in dict.fromkeys(names) if n != "ddp"]
-    from shardopt.bench import run_bench
+    from shardopt.app.bench import BenchConfig, run_bench
 
-    return run_bench(args, names, world, _threads_per_rank(args, world), _run_launched)
+    return run_bench(BenchConfig(
+        modes=tuple(names), model=args.model, steps=args.steps, warmup_steps=args.warmup_steps,
+        batch_size=args.batch_size, lr=args.lr, seed=args.seed, rounds=args.rounds, world_size=world,
+        threads_per_rank=_threads_per_rank(args, world), json_path=args.json, plot_path=args.plot,
+    ))
 
 
 # ---------------------------------------------------------------------- estimate
@@ -468,7 +344,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _load_factory(command: str, spec: str) -> torch.nn.Module:
     if spec in PRESETS:
-        from shardopt.models import GPT
+        from shardopt.app.models import GPT
 
         return GPT(PRESETS[spec])
     module_name, sep, attr = spec.partition(":")
@@ -505,7 +381,7 @@ def _estimate(args: argparse.Namespace) -> int:
                                     optimizer_bytes_per_param=args.optimizer_bytes, largest_layer_params=largest)
     except ValueError as exc:
         _fail("estimate", str(exc))
-    from shardopt.cli_render import render_estimate, write_json
+    from shardopt.app.render import render_estimate, write_json
 
     render_estimate(est)
     if args.json:

@@ -7,14 +7,13 @@ step is taken over the steps of all its rounds: on a shared machine the speed dr
 minutes, and interleaving spreads that drift over every mode instead of charging it to
 whichever mode ran during a slow spell (two back-to-back single-round runs of ddp and zero2
 on the 2-core test machine gave zero2/ddp time ratios of 1.02 and 1.08). Every rank measures itself (see
-:mod:`shardopt.runner`); rank 0 of each run saves the final full parameters, and this
+:mod:`shardopt.app.runner`); rank 0 of each run saves the final full parameters, and this
 process compares them with DDP's (max |param - DDP param|) and divides each mode's time,
 heap and bytes by DDP's. Results go to a rich table, optionally JSON and a matplotlib plot.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -28,13 +27,45 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from shardopt import runner
-from shardopt.cli_render import machine_info, mib, write_json
-from shardopt.modes import MODES
+from shardopt.app import runner
+from shardopt.app.launch import run_launched
+from shardopt.app.render import machine_info, mib, write_json
+from shardopt.app.modes import MODES
 
-__all__ = ["ModeResult", "bench_rank", "merge_rounds", "run_bench"]
+__all__ = ["BenchConfig", "ModeResult", "bench_rank", "merge_rounds", "run_bench"]
 
-Launcher = Callable[..., dict[int, Any]]
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``shardopt bench`` runs and where its results go (checked by the CLI).
+
+    Attributes:
+        modes: the modes to run, ``"ddp"`` first (the reference of every ratio).
+        model: the built-in model preset.
+        steps: steps per mode and round, warm-up included.
+        warmup_steps: steps left out of the step-time median.
+        batch_size: sequences per rank and step.
+        lr: Adam's learning rate.
+        seed: model and data seed (the same for every mode).
+        rounds: times the whole mode list runs, interleaved.
+        world_size: ranks per mode.
+        threads_per_rank: intra-op threads per rank.
+        json_path: where to write the results as JSON, or ``None``.
+        plot_path: where to draw the comparison (PNG, needs matplotlib), or ``None``.
+    """
+
+    modes: tuple[str, ...]
+    model: str
+    steps: int
+    warmup_steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    rounds: int
+    world_size: int
+    threads_per_rank: int
+    json_path: str | None = None
+    plot_path: str | None = None
 
 
 @record
@@ -91,19 +122,17 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(((a[k].float() - b[k].float()).abs().max().item() for k in a), default=0.0)
 
 
-def run_bench(args: argparse.Namespace, names: list[str], world: int, threads: int, launch: Launcher) -> int:
-    """Run every mode in ``names`` (``"ddp"`` first) and show the comparison.
+def run_bench(config: BenchConfig) -> int:
+    """Run every mode of ``config`` (``"ddp"`` first) and show the comparison.
 
     Args:
-        args: the parsed ``bench`` arguments.
-        names: modes to run, DDP first.
-        world: ranks per mode.
-        threads: intra-op threads per rank.
-        launch: the CLI's launcher (handles Ctrl-C and rank failures).
+        config: what to run; each mode is launched with :func:`~shardopt.app.launch.run_launched`
+            (Ctrl-C and rank failures end the command with a message and an exit code).
 
     Returns:
         The exit code.
     """
+    args, names, world, threads = config, list(config.modes), config.world_size, config.threads_per_rank
     console = Console()
     runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
     diffs: dict[str, float] = {name: 0.0 for name in names}
@@ -118,7 +147,7 @@ def run_bench(args: argparse.Namespace, names: list[str], world: int, threads: i
                                       params_out=params_path, threads_per_rank=threads)
                 where = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
                 with console.status(f"bench: {name} on {world} ranks ({args.steps} steps){where}"):
-                    ranks = launch("bench", bench_rank, world, job)[0]
+                    ranks = run_launched("bench", bench_rank, world, job)[0]
                 params = torch.load(params_path, weights_only=True)
                 os.remove(params_path)
                 if reference is None:
@@ -136,15 +165,15 @@ def run_bench(args: argparse.Namespace, names: list[str], world: int, threads: i
         )))
     wide = console if console.is_terminal else Console(width=170)
     wide.print(bench_table(args, world, results))
-    if args.json:
-        write_json(args.json, {
+    if args.json_path:
+        write_json(args.json_path, {
             "command": "bench", "machine": machine_info(), "world_size": world, "threads_per_rank": threads,
             "model": args.model, "num_params": results[0].ranks[0]["num_params"], "steps": args.steps,
             "warmup_steps": args.warmup_steps, "batch_size": args.batch_size, "seed": args.seed,
             "rounds": rounds, "results": [{**r.__dict__} for r in results],
         })
-    if args.plot:
-        plot(results, args.plot, f"{args.model}, {world} ranks")
+    if args.plot_path:
+        plot(results, args.plot_path, f"{args.model}, {world} ranks")
     return 0
 
 
@@ -187,7 +216,7 @@ def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
-def bench_table(args: argparse.Namespace, world: int, results: list[ModeResult]) -> Table:
+def bench_table(args: BenchConfig, world: int, results: list[ModeResult]) -> Table:
     """The comparison table: per-rank heap and bytes, median step, drift from DDP, ratios.
 
     Args:

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from shardopt import runner
+from shardopt.app import runner
 from shardopt.memory import GB, ModelStateEstimate, capabilities
 
 __all__ = ["demo_rank", "demo_table", "machine_info", "mib", "render_estimate", "write_json"]

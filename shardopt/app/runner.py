@@ -2,7 +2,7 @@
 
 :func:`train` runs on every rank of an initialised process group (started by the CLI with
 torch's elastic launcher, or by ``torchrun``). It builds the built-in GPT with a fixed seed,
-wraps it for the chosen :mod:`~shardopt.modes` mode, trains on the built-in corpus with
+wraps it for the chosen :mod:`~shardopt.app.modes` mode, trains on the built-in corpus with
 different data per rank, and measures with :class:`~shardopt.memory.MemoryRecorder`: the
 heap baseline is read before the model is built; heap is sampled after forward, backward
 and step; every step after the warm-up is timed and its bytes sent counted, with the ranks
@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from shardopt import checkpoint, comm
 from shardopt.memory import MemoryRecorder
-from shardopt.models import PRESETS, CharBatches, build_model, stdlib_corpus
-from shardopt.modes import Wrapped, full_parameters, get_mode, load_optimizer_state
+from shardopt.app.models import PRESETS, CharBatches, build_model, stdlib_corpus
+from shardopt.app.modes import Wrapped, full_parameters, get_mode, load_optimizer_state
 
 __all__ = ["RankReport", "StepInfo", "TrainJob", "check_resumable", "init_process_group_from_env", "train"]
 
@@ -43,8 +43,8 @@ class TrainJob:
     """Everything a rank needs to run; the same object on every rank.
 
     Attributes:
-        mode: a name in :data:`shardopt.modes.MODES`.
-        preset: a model preset in :data:`shardopt.models.PRESETS`.
+        mode: a name in :data:`shardopt.app.modes.MODES`.
+        preset: a model preset in :data:`shardopt.app.models.PRESETS`.
         steps: optimizer steps to reach (a resumed run continues to this step).
         batch_size: sequences per micro-batch per rank.
         grad_accum_steps: micro-batches per optimizer step (all but the last under ``no_sync``).
@@ -280,7 +280,7 @@ def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> l
             another model.
         RuntimeError: no process group (call :func:`init_process_group_from_env` first).
     """
-    comm.require_initialized("shardopt.runner.train")
+    comm.require_initialized("shardopt.app.runner.train")
     try:
         return _train(job, on_step)
     except BaseException as exc:
