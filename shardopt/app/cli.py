@@ -209,10 +209,6 @@ def _demo(args: argparse.Namespace) -> int:
         supported = ", ".join(name for name, m in MODES.items() if m.fp16_scaler is not None)
         _fail("demo", f"--amp fp16 is supported with {supported}, not {args.mode!r}; use --amp bf16 (no scaler "
               "needed)")
-    if args.amp == "fp16" and scaler == "sharded":
-        reason = _scaler_unavailable()
-        if reason:
-            _fail("demo", reason)
     job = TrainJob(
         mode=args.mode, preset=args.model, steps=args.steps, batch_size=args.batch_size,
         grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp,
@@ -280,27 +276,13 @@ def _check_writable(command: str, option: str, path: str, folder: bool, why: str
 
 
 def _check_checkpoint(job: TrainJob) -> None:
-    from shardopt.checkpoint import read_extra
     from shardopt.app.runner import check_resumable
 
     assert job.checkpoint_path is not None
-    saved = read_extra(job.checkpoint_path)
-    if saved is None:
-        _fail("demo", f"--checkpoint {job.checkpoint_path!r} exists but is not a shardopt checkpoint; point it "
-              "at a file or folder written by shardopt demo, or drop --resume")
     try:
-        check_resumable(job.checkpoint_path, saved, job, get_mode(job.mode).sharded_checkpoint)
+        check_resumable(job.checkpoint_path, job)
     except ValueError as exc:
         _fail("demo", str(exc))
-
-
-def _scaler_unavailable() -> str | None:
-    try:
-        from shardopt.optim.grad_scaler import ShardedGradScaler  # noqa: F401
-    except ImportError:
-        return "--amp fp16 with a sharded mode needs shardopt.optim.grad_scaler.ShardedGradScaler, which this " \
-               "installation lacks; use --amp bf16"
-    return None
 
 
 # ---------------------------------------------------------------------- bench

@@ -188,43 +188,48 @@ def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> Non
         checkpoint.save_consolidated(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
 
 
-def check_resumable(path: str, saved: dict[str, Any], job: TrainJob, sharded_checkpoint: bool) -> None:
-    """Check that a checkpoint's ``extra`` fits ``job`` before anything is loaded.
+def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
+    """Check that the checkpoint at ``path`` fits ``job`` before anything is loaded.
 
     The model preset and seed must match (the data order depends on the seed). The mode may
     change when the checkpoint kind stays the same: a consolidated file resumes under ddp,
-    zero1, zero2 or zero3 alike.
+    zero1, zero2 or zero3 alike. The CLI calls this at startup and every rank again before
+    loading.
 
     Args:
-        path: the checkpoint, for the message.
-        saved: its ``extra`` (see :func:`shardopt.checkpoint.read_extra`).
+        path: the checkpoint.
         job: the job about to resume.
-        sharded_checkpoint: whether ``job.mode`` saves sharded folders.
+
+    Returns:
+        The checkpoint's ``extra`` (see :func:`shardopt.checkpoint.read_extra`).
 
     Raises:
-        ValueError: another model or seed, or a file where a folder is needed (or back).
+        ValueError: not a shardopt checkpoint, another model or seed, or a file where a
+            folder is needed (or back).
     """
+    saved = checkpoint.read_extra(path)
+    if saved is None:
+        raise ValueError(f"--checkpoint {path!r} exists but is not a shardopt checkpoint; point it at a file or "
+                         "folder written by shardopt demo, or drop --resume")
     ours = {"preset": job.preset, "seed": job.seed}
     theirs = {k: saved.get(k) for k in ours}
     if theirs != ours:
         raise ValueError(f"checkpoint {path!r} was saved with {theirs}, not {ours}; resume with the same --model "
                          "and --seed, or point --checkpoint elsewhere")
+    sharded_checkpoint = get_mode(job.mode).sharded_checkpoint
     if os.path.isdir(path) != sharded_checkpoint:
         kind = "a sharded folder" if os.path.isdir(path) else "a consolidated file"
         raise ValueError(f"checkpoint {path!r} is {kind} (saved by mode {saved.get('mode')!r}) but mode {job.mode!r} "
                          f"{'saves sharded folders' if sharded_checkpoint else 'reads consolidated files'}; resume "
                          f"with --mode {saved.get('mode')} or point --checkpoint elsewhere")
+    return saved
 
 
 def _resume(job: TrainJob, wrapped: Wrapped, scaler: Any | None) -> int:
     path = job.checkpoint_path
     if not job.resume or path is None or not os.path.exists(path):
         return 0
-    saved = checkpoint.read_extra(path)
-    if saved is None:
-        raise ValueError(f"--checkpoint {path!r} exists but is not a shardopt checkpoint; point --checkpoint at "
-                         "a file or folder written by shardopt demo, or drop --resume")
-    check_resumable(path, saved, job, get_mode(job.mode).sharded_checkpoint)
+    check_resumable(path, job)
     assert wrapped.checkpoint_target is not None
     if get_mode(job.mode).sharded_checkpoint:
         extra = checkpoint.load_sharded(path, wrapped.checkpoint_target, wrapped.optimizer)
