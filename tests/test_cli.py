@@ -82,7 +82,6 @@ BAD_ARGUMENTS = [
     (["bench", "--plot", "x.png"], "--plot needs matplotlib"),
     (["estimate", "--model", "nomodule", "--world-size", "2"], "must be a preset"),
     (["demo", "--amp", "fp16", "--mode", "fsdp2"], "--amp fp16 is supported with"),
-    (["demo", "--amp", "fp16", "--mode", "zero2"], "needs shardopt.optim.grad_scaler.ShardedGradScaler"),
     (["estimate", "--model", "no_such_module:make", "--world-size", "2"], "cannot load 'make'"),
     (["estimate", "--model", "os:getcwd", "--world-size", "2"], "returned str, not an nn.Module"),
     (["estimate", "--model", "torch.nn:ReLU", "--world-size", "2"], "has no parameters"),
@@ -94,7 +93,6 @@ def test_bad_arguments_end_in_one_line_and_exit_code_2(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "fairscale", None)  # an import of it now fails: a missing peer
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.delattr(shardopt.nn.fsdp, "FullyShardedDataParallel")  # a shardopt build without ZeRO-3
-    monkeypatch.setitem(sys.modules, "shardopt.optim.grad_scaler", None)
     _assert_one_line_errors(BAD_ARGUMENTS, capsys)
 
 
