@@ -1,15 +1,30 @@
 """Checkpoints of a model and its (sharded) optimizer: consolidated files and sharded folders.
 
 Consolidated (:func:`save_consolidated` / :func:`load_consolidated`): one file holding the
-model's ``state_dict``, a plain ``torch.optim`` optimizer state dict (an :class:`~shardopt.
-optim.OSS` is consolidated onto rank 0 first) and a small ``extra`` dict (step counter,
-scaler state, ...). It loads at any world size and without shardopt. Rank 0 writes it to a
-temporary file next to the target, flushes it to disk and renames it over the target with
-``os.replace``, so a crash leaves either the old checkpoint or the new one, never half of one.
+model's full ``state_dict``, a plain ``torch.optim`` optimizer state dict (consolidated onto
+rank 0 first when the optimizer or the model is sharded) and a small ``extra`` dict (step
+counter, scaler state, ...). It loads at any world size and without shardopt. Rank 0 writes
+it atomically (Note [atomic writes] in :mod:`shardopt.files`).
 
 Sharded (:func:`save_sharded` / :func:`load_sharded`): a folder written by
 ``torch.distributed.checkpoint`` (``dcp.save``) in which every rank writes only what it
-holds. See Note [sharded optimizer layout] for how optimizer state is keyed.
+holds. See Note [sharded optimizer layout].
+
+This module knows no optimizer or wrapper class: each provides its own encoding through the
+small protocols :class:`ShardedOptimizer` (OSS: its state keyed by parameter index) and
+:class:`ShardedModel` (FSDP: model and optimizer state as ``ShardedTensor`` pieces and full,
+name-keyed optimizer state). Anything else goes through torch's own
+``torch.distributed.checkpoint.state_dict`` helpers.
+
+Note [checkpoint integrity]
+Every tensor record carries a CRC-32 of its bytes, computed when it is saved and verified
+when it is loaded: a consolidated file checks every model and optimizer tensor; a sharded
+folder checks its metadata file and, for OSS, every tensor entry (each state entry is
+written whole by its owner, the replicated model tensors by rank 0); ``ShardedTensor`` and
+``DTensor`` pieces (ZeRO-3, FSDP2) and DDP's plain state rely on dcp alone.
+A load first reads and checks everything (names, shapes, checksums, optimizer groups and
+state shapes) and only then changes the model and the optimizer, so a failed load leaves
+both as they were. Files written before checksums existed (format ``/1``) still load.
 """
 
 from __future__ import annotations
@@ -18,8 +33,10 @@ import logging
 import os
 import pickle
 import shutil
+import tempfile
+import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -34,26 +51,80 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardopt import comm
-from shardopt.optim import OSS
+from shardopt.files import atomic_write, fsync_dir
 
-__all__ = ["load_consolidated", "load_sharded", "read_extra", "save_consolidated", "save_sharded"]
+__all__ = [
+    "ShardedModel",
+    "ShardedOptimizer",
+    "check_writable",
+    "load_consolidated",
+    "load_sharded",
+    "read_extra",
+    "save_consolidated",
+    "save_sharded",
+]
 
 logger = logging.getLogger(__name__)
 
-CONSOLIDATED_FORMAT = "shardopt.consolidated/1"
-SHARDED_FORMAT = "shardopt.sharded/1"
+CONSOLIDATED_FORMAT = "shardopt.consolidated/2"
+SHARDED_FORMAT = "shardopt.sharded/2"
+_OLD_FORMATS = {"shardopt.consolidated/1", "shardopt.sharded/1"}
 _META_FILE = "shardopt_meta.pt"
 
 # Note [sharded optimizer layout]
-# An OSS rank holds the state of the parameters it owns. Its entries are saved under
-# "optim.<global parameter index>.<state name>", so the folder holds every entry exactly
-# once and a load at another world size works: each rank asks dcp for the indices it owns
-# under the new partition, shaped from the folder's metadata. Non-tensor state values and
-# the param-group hyperparameters go in a small metadata file that rank 0 writes next to
-# dcp's files. Any other optimizer (a plain torch.optim over a DDP model, or one over the
-# DTensor shards of an FSDP2 model) goes through torch's own
-# torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict, which key state
-# by parameter name and let dcp deduplicate replicated tensors and reshard DTensors.
+# An OSS rank holds the state of the parameters it owns, frozen ones included. Its entries
+# are saved under "optim.<global parameter index>.<state name>", so the folder holds every
+# entry exactly once and a load at another world size works: each rank asks dcp for the
+# indices it owns under the new partition, shaped from the folder's metadata. Non-tensor
+# state values and the param-group hyperparameters go in a small metadata file that rank 0
+# writes next to dcp's files. A ZeRO-3 FullyShardedDataParallel describes its parameters and
+# its optimizer's state as ShardedTensor pieces keyed by parameter name (Note [sharded
+# optimizer state dict] in shardopt.nn.fsdp.optim_state_dict). Any other optimizer (a plain
+# torch.optim over a DDP model, or one over the DTensor shards of an FSDP2 model) goes
+# through torch's get_state_dict / set_state_dict, which key state by parameter name and let
+# dcp deduplicate replicated tensors and reshard DTensors.
+
+
+@runtime_checkable
+class ShardedOptimizer(Protocol):
+    """An optimizer whose ranks each hold part of the state (OSS)."""
+
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]: ...
+
+    def consolidate_state_dict(self, recipient_rank: int = 0) -> None: ...
+
+    def sharded_state_entries(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
+
+    def sharded_state_template(self, saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]: ...
+
+    def load_sharded_state_entries(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any],
+                                   param_groups: list[dict[str, Any]]) -> None: ...
+
+
+@runtime_checkable
+class ShardedModel(Protocol):
+    """A model wrapper that shards parameters (ZeRO-3) and so owns its optimizer's layout."""
+
+    def sharded_state_dict(self) -> dict[str, Any]: ...
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    @staticmethod
+    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                              rank0_only: bool = True) -> dict[str, Any]: ...
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_osd: dict[str, Any], model: nn.Module,
+                                    optim: torch.optim.Optimizer) -> dict[str, Any]: ...
+
+    @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]: ...
+
+    @staticmethod
+    def load_sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                                      osd: dict[str, Any]) -> None: ...
+
 
 def _rank() -> int:
     return comm.group_rank(None) if dist.is_available() and dist.is_initialized() else 0
@@ -68,31 +139,119 @@ def _barrier() -> None:
         comm.barrier(None)
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # not every platform lets a directory be opened; the rename is still atomic
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ---------------------------------------------------------------------- integrity
 
 
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    _fsync_dir(directory)
+def _crc(tensor: torch.Tensor) -> int:
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(data.tobytes()) & 0xFFFFFFFF
+
+
+def _checksums(obj: Any, prefix: str = "") -> dict[str, int]:
+    """CRC-32 of every plain tensor inside ``obj`` (dicts, lists, tuples), keyed by path."""
+    out: dict[str, int] = {}
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is torch.Tensor or isinstance(obj, nn.Parameter):
+            out[prefix] = _crc(obj)
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            out.update(_checksums(value, f"{prefix}/{key}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            out.update(_checksums(value, f"{prefix}/{i}"))
+    return out
+
+
+def _verify(where: str, saved: Mapping[str, int], loaded: Mapping[str, int]) -> None:
+    bad = [k for k, crc in saved.items() if k in loaded and loaded[k] != crc]
+    if bad:
+        raise ValueError(f"checkpoint {where} is corrupted: {len(bad)} record(s) fail their checksum, first "
+                         f"{bad[0].lstrip('/')!r}; restore it from a backup or an earlier checkpoint")
+
+
+def _meta_crc(meta: Mapping[str, Any]) -> int:
+    return zlib.crc32(pickle.dumps({k: v for k, v in meta.items() if k != "meta_crc"}, protocol=4)) & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def _check_model_state(where: str, expected: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+    """Names and shapes of ``state`` against the model's own (``expected``), strict."""
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [(k, tuple(state[k].shape), tuple(expected[k].shape)) for k in expected
+             if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        parts = ([f"missing {missing[:5]}"] if missing else []) + ([f"unexpected {unexpected[:5]}"] if unexpected else [])
+        parts += [f"{k!r} has shape {a} in the checkpoint but {b} in the model" for k, a, b in wrong[:3]]
+        raise ValueError(f"checkpoint {where} does not fit this model ({'; '.join(parts)}); load it into the model "
+                         "it was saved from (same architecture and configuration). Nothing was loaded")
+
+
+def _check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: Any,
+                           shapes: list[torch.Size] | Mapping[str, torch.Size]) -> None:
+    """Groups, parameter counts and per-parameter state shapes, before anything is loaded.
+
+    ``shapes`` are the parameters' full shapes, by index (state keyed by index) or by name.
+    """
+    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
+    if not isinstance(groups, (list, tuple)) or not isinstance(osd.get("state"), Mapping):
+        raise ValueError(f"checkpoint {where} holds no optimizer state dict ('state' and 'param_groups'); "
+                         "pass optimizer=None to load the model only")
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g["params"]) for g in groups]
+    if ours != theirs:
+        raise ValueError(f"checkpoint {where} has optimizer groups of sizes {theirs} but the optimizer has {ours}; "
+                         "build the optimizer with the same param groups as the one that was saved. Nothing was loaded")
+    ids = [pid for g in groups for pid in g["params"]]
+    position = {pid: i for i, pid in enumerate(ids)}
+    for key, entry in osd["state"].items():
+        if key not in position:
+            raise ValueError(f"checkpoint {where}: optimizer state entry {key!r} is in no param group; "
+                             "the file is inconsistent. Nothing was loaded")
+        shape = shapes[key] if isinstance(shapes, Mapping) else shapes[position[key]]
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shape:
+                raise ValueError(
+                    f"checkpoint {where}: optimizer state {name!r} of parameter {key!r} has shape "
+                    f"{tuple(value.shape)} but the parameter has {tuple(shape)}; the optimizer state belongs to "
+                    "another model. Nothing was loaded")
+
+
+def check_writable(path: str, sharded: bool) -> None:
+    """Fail now, not after training, when a checkpoint cannot be written at ``path``.
+
+    Args:
+        path: the checkpoint file (consolidated) or folder (sharded).
+        sharded: whether a folder will be written.
+
+    Raises:
+        ValueError: a file where a folder is needed or the reverse, a folder that is not a
+            shardopt checkpoint, or a parent folder where files cannot be created.
+    """
+    path = os.path.abspath(path)
+    if sharded and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"checkpoint path {path!r} is a file, but a sharded checkpoint is a folder; "
+                         "pick another path or remove the file")
+    if sharded and os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, _META_FILE)):
+        raise ValueError(f"checkpoint path {path!r} is a folder that holds something else than a shardopt "
+                         "checkpoint; pick an empty or new folder (it would be replaced)")
+    if not sharded and os.path.isdir(path):
+        raise ValueError(f"checkpoint path {path!r} is a folder, but a consolidated checkpoint is a file; "
+                         "pick a file name")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:  # a real probe: access() says yes to root even where nothing can be created
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise ValueError(f"checkpoint path {path!r} cannot be written: no files can be created in {parent!r} "
+                         f"({exc.strerror}); pick a writable folder") from exc
+
+
+# ---------------------------------------------------------------------- consolidated
 
 
 def save_consolidated(
@@ -105,35 +264,54 @@ def save_consolidated(
         module: the model *without* its data-parallel wrapper (e.g. ``ddp.module``), or a
             ZeRO-3 ``FullyShardedDataParallel`` (whose ``state_dict`` is full); its
             ``state_dict`` must be full on rank 0.
-        optimizer: an :class:`OSS` (consolidated onto rank 0 here, a collective), an
-            optimizer over a ZeRO-3 wrapper's shards (gathered through the wrapper), a plain
-            ``torch.optim`` optimizer whose state is the same on every rank; or ``None``.
+        optimizer: a :class:`ShardedOptimizer` (OSS, consolidated onto rank 0 here, a
+            collective), an optimizer over a :class:`ShardedModel`'s shards (gathered
+            through the wrapper), a plain ``torch.optim`` optimizer whose state is the same
+            on every rank; or ``None``.
         extra: small picklable values saved alongside (step, scaler state, config).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: ``path`` is a folder or cannot be written (see :func:`check_writable`).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module (the unwrapped model), got {type(module).__name__}")
+    check_writable(path, sharded=False)
     model_state = module.state_dict()  # on every rank: a collective for a ZeRO-3 wrapper
-    gather_optim = _full_optim_state_fn(module)
     optim_state: dict[str, Any] | None = None
-    if isinstance(optimizer, OSS):
+    if isinstance(optimizer, ShardedOptimizer):
         optimizer.consolidate_state_dict(recipient_rank=0)
         if _rank() == 0:
             optim_state = optimizer.state_dict()
-    elif optimizer is not None and gather_optim is not None:
-        optim_state = gather_optim(module, optimizer)
+    elif optimizer is not None and isinstance(module, ShardedModel):
+        optim_state = type(module).full_optim_state_dict(module, optimizer)
     elif optimizer is not None:
         optim_state = optimizer.state_dict()
     if _rank() == 0:
-        _atomic_torch_save(
-            {"format": CONSOLIDATED_FORMAT, "model": model_state, "optimizer": optim_state,
-             "extra": dict(extra or {})},
-            path,
-        )
+        blob = {"format": CONSOLIDATED_FORMAT, "model": model_state, "optimizer": optim_state,
+                "extra": dict(extra or {}),
+                "checksums": {"model": _checksums(model_state), "optimizer": _checksums(optim_state)}}
+        atomic_write(path, lambda f: torch.save(blob, f))
         logger.info("wrote consolidated checkpoint %s", path)
     _barrier()
+
+
+def _read_consolidated(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint file at {path!r}; save one first with save_consolidated")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a damaged file fails inside the unpickler in many ways
+        raise ValueError(f"checkpoint {path!r} cannot be read ({type(exc).__name__}: {exc}); it is corrupted or "
+                         "not a checkpoint: restore it from a backup or an earlier checkpoint") from exc
+    if not isinstance(blob, dict) or blob.get("format") not in (CONSOLIDATED_FORMAT, *_OLD_FORMATS):
+        raise ValueError(f"{path!r} is not a shardopt consolidated checkpoint (expected format "
+                         f"{CONSOLIDATED_FORMAT!r}); was it written by save_sharded? use load_sharded")
+    sums = blob.get("checksums")
+    if sums is not None:
+        _verify(repr(path), sums["model"], _checksums(blob["model"]))
+        _verify(repr(path), sums["optimizer"], _checksums(blob["optimizer"]))
+    return blob
 
 
 def load_consolidated(
@@ -141,12 +319,13 @@ def load_consolidated(
 ) -> dict[str, Any]:
     """Load a file written by :func:`save_consolidated` into ``module`` and ``optimizer``.
 
-    Every rank reads the file; an :class:`OSS` keeps the state of the parameters it owns
-    under the current world size, whatever the world size that saved it.
+    Every rank reads the file; a :class:`ShardedOptimizer` keeps the state of the
+    parameters it owns under the current world size, whatever the world size that saved
+    it. Everything is checked before anything changes (Note [checkpoint integrity]).
 
     Args:
         path: the checkpoint file.
-        module: the unwrapped model to load into.
+        module: the unwrapped model (or a ZeRO-3 wrapper) to load into.
         optimizer: the optimizer to load into, or ``None`` to skip optimizer state.
 
     Returns:
@@ -154,19 +333,27 @@ def load_consolidated(
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not a shardopt consolidated checkpoint.
+        ValueError: not a shardopt consolidated checkpoint, corrupted, or it does not fit
+            the model or the optimizer (nothing is loaded then).
     """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint file at {path!r}; save one first with save_consolidated")
-    blob = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(blob, dict) or blob.get("format") != CONSOLIDATED_FORMAT:
-        raise ValueError(f"{path!r} is not a shardopt consolidated checkpoint (expected format "
-                         f"{CONSOLIDATED_FORMAT!r}); was it written by save_sharded? use load_sharded")
+    blob = _read_consolidated(path)
+    expected = module.state_dict() if isinstance(module, ShardedModel) else module.state_dict(keep_vars=True)
+    _check_model_state(repr(path), expected, blob["model"])
+    osd = blob["optimizer"] if optimizer is not None else None
+    if osd is not None:
+        assert optimizer is not None
+        if isinstance(module, ShardedModel):  # full state keyed by parameter name
+            _check_optimizer_state(repr(path), optimizer, osd, {k: v.shape for k, v in expected.items()})
+        else:
+            params = list(optimizer.params) if isinstance(optimizer, ShardedOptimizer) else [
+                p for g in optimizer.param_groups for p in g["params"]]
+            _check_optimizer_state(repr(path), optimizer, osd, [p.shape for p in params])
     module.load_state_dict(blob["model"])
-    if optimizer is not None and blob["optimizer"] is not None:
-        shard = getattr(type(module), "shard_full_optim_state_dict", None)
-        optimizer.load_state_dict(shard(blob["optimizer"], module, optimizer) if shard is not None
-                                  else blob["optimizer"])
+    if osd is not None:
+        assert optimizer is not None
+        if isinstance(module, ShardedModel):
+            osd = type(module).shard_full_optim_state_dict(osd, module, optimizer)
+        optimizer.load_state_dict(osd)
     return dict(blob["extra"])
 
 
@@ -190,39 +377,30 @@ def read_extra(path: str) -> dict[str, Any] | None:
         return None
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
-        return None  # not a torch.save file at all
-    if not isinstance(blob, dict) or blob.get("format") != CONSOLIDATED_FORMAT:
+    except Exception:
+        return None  # not a torch.save file at all, or a damaged one
+    if not isinstance(blob, dict) or blob.get("format") not in (CONSOLIDATED_FORMAT, *_OLD_FORMATS):
         return None
     return dict(blob["extra"])
 
 
-def _full_optim_state_fn(module: nn.Module) -> Any:
-    """The wrapper's ``full_optim_state_dict(model, optim)`` when it shards parameters (ZeRO-3), else ``None``.
-
-    (A ZeRO-3 wrapper's optimizer holds pieces of flat shards, so only the wrapper knows how
-    to gather them into full-shaped state keyed by parameter name.)
-    """
-    return getattr(type(module), "full_optim_state_dict", None)
+# ---------------------------------------------------------------------- sharded
 
 
-def _groups_hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-
-
-def _oss_entries(optimizer: OSS) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's OSS state split into tensors (for dcp) and other values (for the meta file)."""
-    tensors: dict[str, torch.Tensor] = {}
-    others: dict[str, Any] = {}
-    index = {p: i for i, p in enumerate(optimizer.params)}
-    for param, entry in optimizer.optim.state.items():
-        for name, value in entry.items():
-            key = f"{index[param]}.{name}"
-            if isinstance(value, torch.Tensor):
-                tensors[key] = value
-            else:
-                others[key] = value
-    return tensors, others
+def _encode(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """(optimizer kind, the state for dcp, non-tensor values for the metadata file)."""
+    if isinstance(model, ShardedModel):
+        state: dict[str, Any] = {"model": model.sharded_state_dict()}
+        if optimizer is not None:
+            state["optim"] = type(model).sharded_optim_state_dict(model, optimizer)
+        return ("zero3" if optimizer is not None else None), state, {}
+    if isinstance(optimizer, ShardedOptimizer):
+        tensors, values = optimizer.sharded_state_entries()
+        return "oss", {"model": model.state_dict(), "optim": tensors}, values
+    if optimizer is not None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return "torch", {"model": model_state, "optim": optim_state}, {}
+    return None, {"model": get_model_state_dict(model)}, {}
 
 
 def save_sharded(
@@ -232,46 +410,45 @@ def save_sharded(
 
     How it works: the model's state and the optimizer's (Note [sharded optimizer layout])
     go to ``dcp.save`` in ``<path>.tmp``, where every rank writes only what it holds and
-    replicated tensors are written once; non-tensor values, hyperparameters and ``extra``
-    go to a metadata file; then rank 0 moves the finished folder to ``path``. A crash
-    mid-save leaves the previous ``path`` untouched.
+    replicated tensors are written once; non-tensor values, hyperparameters, checksums
+    (Note [checkpoint integrity]) and ``extra`` go to a metadata file; then rank 0 moves the
+    finished folder to ``path``. A crash mid-save leaves the previous ``path`` untouched.
 
     Args:
-        path: the folder to write (replaced when it exists; must be on a file system all
-            ranks see).
+        path: the folder to write (replaced when it is a shardopt checkpoint; must be on a
+            file system all ranks see).
         model: the model (wrapped or not; load with the same kind of object).
-        optimizer: an :class:`OSS`, any other ``torch.optim`` optimizer, or ``None``.
+        optimizer: an OSS, an optimizer over a ZeRO-3 wrapper, any other ``torch.optim``
+            optimizer, or ``None``.
         extra: small picklable values saved alongside.
+
+    Raises:
+        ValueError: ``path`` is a file or a folder that is not a shardopt checkpoint (it is
+            left untouched), or cannot be written.
     """
-    if _full_optim_state_fn(model) is not None:
-        raise TypeError(f"save_sharded does not support {type(model).__name__} (flat-shard ZeRO-3) yet: its "
-                        "shards are not DTensors, so dcp cannot place them; use save_consolidated(path, model, "
-                        "optimizer), which gathers full state through the wrapper")
     path = os.path.abspath(path)
+    check_writable(path, sharded=True)
     staging = path + ".tmp"
     if _rank() == 0 and os.path.exists(staging):
-        shutil.rmtree(staging)
+        shutil.rmtree(staging)  # left by a save that was killed
     _barrier()
-    others: dict[str, Any] = {}
-    if isinstance(optimizer, OSS):
-        tensors, others = _oss_entries(optimizer)
-        state: dict[str, Any] = {"model": model.state_dict(), "optim": tensors}
-    elif optimizer is not None:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-    else:
-        state = {"model": get_model_state_dict(model)}
+    kind, state, values = _encode(model, optimizer)
     dcp.save(state, checkpoint_id=staging)
-    gathered = comm.all_gather_object(others, None) if _world() > 1 else [others]
+    sums = _checksums(state.get("optim") if kind == "oss" else None, "/optim")
+    if _rank() == 0:
+        sums.update(_checksums(state["model"], "/model") if kind == "oss" else {})
+    gathered = comm.all_gather_object((values, sums), None) if _world() > 1 else [(values, sums)]
     if _rank() == 0:
         meta = {
-            "format": SHARDED_FORMAT, "world_size": _world(),
-            "optim_kind": "oss" if isinstance(optimizer, OSS) else ("torch" if optimizer is not None else None),
-            "param_groups": _groups_hyper(optimizer) if isinstance(optimizer, OSS) else None,
-            "optim_values": {k: v for part in gathered for k, v in part.items()},
+            "format": SHARDED_FORMAT, "world_size": _world(), "optim_kind": kind,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            if kind == "oss" and optimizer is not None else None,
+            "optim_values": {k: v for part, _ in gathered for k, v in part.items()},
+            "checksums": {k: v for _, part in gathered for k, v in part.items()},
             "extra": dict(extra or {}),
         }
-        _atomic_torch_save(meta, os.path.join(staging, _META_FILE))
+        meta["meta_crc"] = _meta_crc(meta)
+        atomic_write(os.path.join(staging, _META_FILE), lambda f: torch.save(meta, f))
         if os.path.exists(path):
             old = path + ".old"
             if os.path.exists(old):
@@ -281,13 +458,44 @@ def save_sharded(
             shutil.rmtree(old)
         else:
             os.replace(staging, path)
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
         logger.info("wrote sharded checkpoint %s", path)
     _barrier()
 
 
+def _read_meta(path: str) -> dict[str, Any]:
+    meta_path = os.path.join(path, _META_FILE)
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"no sharded checkpoint at {path!r} (missing {_META_FILE}); save one first "
+                                "with save_sharded")
+    try:
+        meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"checkpoint {path!r}: {_META_FILE} cannot be read ({type(exc).__name__}); it is "
+                         "corrupted: restore the folder from a backup or an earlier checkpoint") from exc
+    if meta.get("format") not in (SHARDED_FORMAT, *_OLD_FORMATS):
+        raise ValueError(f"{path!r} is not a shardopt sharded checkpoint (format {meta.get('format')!r})")
+    if "meta_crc" in meta and meta["meta_crc"] != _meta_crc(meta):
+        raise ValueError(f"checkpoint {path!r} is corrupted: {_META_FILE} fails its checksum; restore the folder "
+                         "from a backup or an earlier checkpoint")
+    return dict(meta)
+
+
+def _clone(obj: Any) -> Any:
+    """A deep copy of the plain tensors (so dcp fills a copy, not the live model)."""
+    if isinstance(obj, torch.Tensor) and (type(obj) is torch.Tensor or isinstance(obj, nn.Parameter)):
+        return obj.detach().clone()
+    if isinstance(obj, Mapping):
+        return {k: _clone(v) for k, v in obj.items()}
+    return obj
+
+
 def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load a folder written by :func:`save_sharded`, at any world size. Call on every rank.
+
+    The folder is read into copies and checked (Note [checkpoint integrity]) before the
+    model and optimizer change (ZeRO-3 pieces are read into the live shards after dcp has
+    checked every size).
 
     Args:
         path: the checkpoint folder.
@@ -299,65 +507,54 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
 
     Raises:
         FileNotFoundError: ``path`` is not a sharded checkpoint folder.
-        ValueError: the folder holds another kind of optimizer state than ``optimizer``.
+        ValueError: the folder holds another kind of optimizer state than ``optimizer``, or
+            is corrupted.
     """
     path = os.path.abspath(path)
-    meta_path = os.path.join(path, _META_FILE)
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"no sharded checkpoint at {path!r} (missing {_META_FILE}); save one first "
-                                "with save_sharded")
-    meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+    meta = _read_meta(path)
     kind = meta["optim_kind"]
     if optimizer is not None and kind is not None:
-        ours = "oss" if isinstance(optimizer, OSS) else "torch"
+        ours = ("zero3" if isinstance(model, ShardedModel) else
+                "oss" if isinstance(optimizer, ShardedOptimizer) else "torch")
         if ours != kind:
             raise ValueError(f"the checkpoint at {path!r} holds {kind!r} optimizer state but the optimizer given "
                              f"is a {type(optimizer).__name__} ({ours!r}); load with the kind of optimizer that "
                              "saved it, or pass optimizer=None to load the model only")
-    if isinstance(optimizer, OSS) and kind == "oss":
-        model_state = model.state_dict()
-        state: dict[str, Any] = {"model": model_state, "optim": _oss_template(path, optimizer)}
+    with_optim = optimizer is not None and kind is not None
+    sums = meta.get("checksums", {})
+    if isinstance(model, ShardedModel):
+        state: dict[str, Any] = {"model": model.sharded_state_dict()}
+        if with_optim:
+            state["optim"] = type(model).sharded_optim_state_dict(model, optimizer)  # type: ignore[arg-type]
         dcp.load(state, checkpoint_id=path)
-        model.load_state_dict(model_state)
-        _restore_oss(optimizer, state["optim"], meta)
-    elif optimizer is not None and kind == "torch":
+        model.load_sharded_state_dict(state["model"])
+        if with_optim:
+            type(model).load_sharded_optim_state_dict(model, optimizer, state["optim"])  # type: ignore[arg-type]
+    elif with_optim and kind == "oss":
+        assert isinstance(optimizer, ShardedOptimizer)
+        saved = {key[len("optim."):]: (item.size, item.properties.dtype)
+                 for key, item in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+                 if key.startswith("optim.") and isinstance(item, TensorStorageMetadata)}
+        state = {"model": _clone(model.state_dict()), "optim": optimizer.sharded_state_template(saved)}
+        dcp.load(state, checkpoint_id=path)
+        _verify(repr(path), sums, {**_checksums(state["model"], "/model"), **_checksums(state["optim"], "/optim")})
+        if len(meta["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"checkpoint {path!r} has {len(meta['param_groups'])} optimizer param groups but the "
+                             f"optimizer has {len(optimizer.param_groups)}; build it with the same groups. "
+                             "Nothing was loaded")
+        model.load_state_dict(state["model"])
+        optimizer.load_sharded_state_entries(state["optim"], meta["optim_values"], meta["param_groups"])
+    elif with_optim:
+        assert optimizer is not None
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state = {"model": _clone(model_state), "optim": _clone(optim_state)}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
-        model_state = get_model_state_dict(model)
-        dcp.load({"model": model_state}, checkpoint_id=path)
-        set_model_state_dict(model, model_state)
+        state = {"model": _clone(get_model_state_dict(model))}
+        dcp.load(state, checkpoint_id=path)
+        if kind == "oss":
+            _verify(repr(path), {k: v for k, v in sums.items() if k.startswith("/model")},
+                    _checksums(state["model"], "/model"))
+        set_model_state_dict(model, state["model"])
     return dict(meta["extra"])
-
-
-def _oss_template(path: str, optimizer: OSS) -> dict[str, torch.Tensor]:
-    """Empty tensors for the entries this rank owns under the current partition, shaped from dcp's metadata."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    params = optimizer.params
-    owned = {i for i in range(len(params)) if optimizer.owns(i) and optimizer.partition.sizes[i] > 0}
-    template: dict[str, torch.Tensor] = {}
-    for key, item in metadata.items():
-        if not key.startswith("optim.") or not isinstance(item, TensorStorageMetadata):
-            continue
-        index_text, _ = key[len("optim."):].split(".", 1)
-        if int(index_text) in owned:
-            template[key[len("optim."):]] = torch.empty(item.size, dtype=item.properties.dtype).to(
-                params[int(index_text)].device)
-    return template
-
-
-def _restore_oss(optimizer: OSS, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Rebuild the owned shard's state as a plain state dict and load it through OSS's public API."""
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in {**meta["optim_values"], **tensors}.items():
-        index_text, name = key.split(".", 1)
-        index = int(index_text)
-        if optimizer.owns(index) and optimizer.partition.sizes[index] > 0:
-            state.setdefault(index, {})[name] = value
-    groups, start = [], 0
-    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
-        groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
-        start += len(group["params"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})

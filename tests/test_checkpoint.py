@@ -4,6 +4,8 @@ across world sizes; a failed write never leaves a half-written file."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -178,18 +180,155 @@ def test_load_errors_name_the_path_and_the_fix(tmp_path: Any) -> None:
         checkpoint.save_consolidated(str(tmp_path / "x.pt"), "model", None)  # type: ignore[arg-type]
 
 
-def _zero3_sharded_refused(rank: int, world_size: int, path: str) -> str:
-    from shardopt.nn.fsdp import FullyShardedDataParallel
+def _zero3_save(rank: int, world_size: int, path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 
-    model = FullyShardedDataParallel(seeded_mlp())
-    try:
-        checkpoint.save_sharded(path, model, torch.optim.Adam(model.parameters()))
-    except TypeError as exc:
-        return str(exc)
-    return "no error"
+    model = FSDP(seeded_mlp())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train_fsdp(model, opt, rank, range(3))
+    checkpoint.save_sharded(path, model, opt, {"step": 3})
+    return model.state_dict(), FSDP.full_optim_state_dict(model, opt, rank0_only=False)
 
 
-def test_save_sharded_refuses_flat_shard_zero3_and_points_to_consolidated(tmp_path: Any) -> None:
-    messages = run_ranks(_zero3_sharded_refused, 2, str(tmp_path / "z3"), timeout_s=60)
-    assert all("use save_consolidated" in m for m in messages), messages
-    assert not os.path.exists(tmp_path / "z3") and not os.path.exists(tmp_path / "z3.tmp")
+def _zero3_load(rank: int, world_size: int, path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(seeded_mlp(seed=4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    assert checkpoint.load_sharded(path, model, opt) == {"step": 3}
+    return model.state_dict(), FSDP.full_optim_state_dict(model, opt, rank0_only=False)
+
+
+def _train_fsdp(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        model(rank_batch(rank, step)).pow(2).mean().backward()
+        opt.step()
+
+
+def test_save_sharded_writes_zero3_pieces_that_load_at_another_world_size(tmp_path: Any) -> None:
+    path = str(tmp_path / "z3")
+    model_state, osd = run_ranks(_zero3_save, 2, path, timeout_s=60)[0]
+    for loaded_model, loaded_osd in run_ranks(_zero3_load, 3, path, timeout_s=60):
+        assert max_abs_diff(loaded_model.values(), model_state.values()) == 0.0
+        assert loaded_osd["param_groups"] == osd["param_groups"]
+        for name, entry in osd["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(loaded_osd["state"][name][key], value), (name, key)
+
+
+def _frozen_resume(rank: int, world_size: int, folder: str, sharded: bool) -> float:
+    """Train, freeze a layer (its Adam state is parked), save, resume in fresh objects,
+    unfreeze, train on: the parked state must come back exactly."""
+    save = checkpoint.save_sharded if sharded else checkpoint.save_consolidated
+    load = checkpoint.load_sharded if sharded else checkpoint.load_consolidated
+    path = os.path.join(folder, "sharded" if sharded else "file.pt")
+    model = seeded_mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-2)
+    _train(model, opt, rank, range(3))
+    model[2].requires_grad_(False)
+    opt.refresh_trainable()
+    _train(model, opt, rank, range(3, 4))
+    save(path, model, opt, {"step": 4})
+    model[2].requires_grad_(True)
+    opt.refresh_trainable()
+    _train(model, opt, rank, range(4, 7))
+    fresh = seeded_mlp(seed=5)
+    fresh_opt = OSS(fresh.parameters(), optim=torch.optim.Adam, lr=1e-2)
+    fresh[2].requires_grad_(False)
+    fresh_opt.refresh_trainable()
+    load(path, fresh, fresh_opt)
+    fresh[2].requires_grad_(True)
+    fresh_opt.refresh_trainable()
+    _train(fresh, fresh_opt, rank, range(4, 7))
+    return max_abs_diff(fresh.parameters(), model.parameters())
+
+
+def test_parked_state_of_frozen_parameters_survives_both_checkpoint_kinds(tmp_path: Any) -> None:
+    for sharded in (False, True):
+        folder = tmp_path / ("sharded" if sharded else "consolidated")
+        folder.mkdir()
+        for diff in run_ranks(_frozen_resume, 2, str(folder), sharded):
+            assert diff == 0.0, (sharded, diff)
+
+
+def _flip_a_byte_inside_a_tensor(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    blob = torch.load(path, weights_only=True)
+    weight = blob["model"]["2.weight"].contiguous().numpy().tobytes()
+    at = bytes(data).find(weight[:64])
+    assert at > 0
+    data[at + 17] ^= 0x40
+    open(path, "wb").write(bytes(data))
+
+
+def test_integrity_corruption_and_mismatches_fail_before_anything_is_loaded(tmp_path: Any) -> None:
+    path = str(tmp_path / "model.pt")
+    module = seeded_mlp()
+    opt = torch.optim.Adam(module.parameters(), lr=1e-2)
+    module(rank_batch(0, 0)).sum().backward()
+    opt.step()
+    checkpoint.save_consolidated(path, module, opt, {"step": 1})
+    # a flipped bit inside a tensor's data is found by its checksum
+    corrupt = str(tmp_path / "corrupt.pt")
+    open(corrupt, "wb").write(open(path, "rb").read())
+    _flip_a_byte_inside_a_tensor(corrupt)
+    target = seeded_mlp(seed=9)
+    before = [p.detach().clone() for p in target.parameters()]
+    with pytest.raises(ValueError, match="is corrupted: 1 record.s. fail their checksum, first '2.weight'"):
+        checkpoint.load_consolidated(corrupt, target)
+    # a model of another shape: refused naming the parameter, and nothing was copied
+    wider = seeded_mlp(seed=9, width=17)
+    wider_before = [p.detach().clone() for p in wider.parameters()]
+    with pytest.raises(ValueError, match=r"'0.weight' has shape \(16, 8\) in the checkpoint but \(17, 8\).*Nothing"):
+        checkpoint.load_consolidated(path, wider)
+    assert all(torch.equal(a, b) for a, b in zip(wider.parameters(), wider_before))
+    # an optimizer state that does not fit its parameters is refused at load, not at the next step
+    blob = torch.load(path, weights_only=True)
+    blob["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+    del blob["checksums"]
+    torch.save(blob, tmp_path / "bad_optim.pt")
+    target_opt = torch.optim.Adam(target.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"optimizer state 'exp_avg' of parameter 0 has shape \(3,\) but the "
+                                         r"parameter has \(16, 8\).*Nothing was loaded"):
+        checkpoint.load_consolidated(str(tmp_path / "bad_optim.pt"), target, target_opt)
+    assert all(torch.equal(a, b) for a, b in zip(target.parameters(), before)) and not target_opt.state
+    # a file without checksums (format /1) still loads
+    blob = torch.load(path, weights_only=True)
+    blob["format"] = "shardopt.consolidated/1"
+    del blob["checksums"]
+    torch.save(blob, tmp_path / "old.pt")
+    assert checkpoint.load_consolidated(str(tmp_path / "old.pt"), target, target_opt) == {"step": 1}
+    assert max_abs_diff(target.parameters(), module.parameters()) == 0.0
+
+
+def test_stale_temp_files_of_a_killed_save_are_removed_by_the_next_save(tmp_path: Any) -> None:
+    path = str(tmp_path / "model.pt")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".model.pt.tmp-{dead.pid}"
+    stale.write_bytes(b"half a checkpoint")
+    alive = tmp_path / f".model.pt.tmp-{os.getpid()}0"  # not ours and not a live writer's either
+    checkpoint.save_consolidated(path, seeded_mlp(), None, {"step": 1})
+    assert not stale.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["model.pt"] + ([alive.name] if alive.exists() else []))
+
+
+def test_save_sharded_refuses_a_file_or_a_foreign_folder_and_leaves_it_alone(tmp_path: Any) -> None:
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("the user's file")
+    with pytest.raises(ValueError, match="is a file, but a sharded checkpoint is a folder"):
+        checkpoint.save_sharded(str(a_file), seeded_mlp(), None)
+    assert a_file.read_text() == "the user's file" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "cat.jpg").write_bytes(b"meow")
+    with pytest.raises(ValueError, match="holds something else than a shardopt checkpoint"):
+        checkpoint.save_sharded(str(folder), seeded_mlp(), None)
+    assert os.listdir(folder) == ["cat.jpg"]
+    with pytest.raises(ValueError, match="is a folder, but a consolidated checkpoint is a file"):
+        checkpoint.check_writable(str(folder), sharded=False)
+    if os.path.isdir("/proc"):
+        with pytest.raises(ValueError, match="cannot be written: no files can be created in '/proc'"):
+            checkpoint.check_writable("/proc/ckpt", sharded=True)
+    checkpoint.check_writable(str(tmp_path / "new" / "deeper" / "ckpt"), sharded=True)  # created on save

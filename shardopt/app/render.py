@@ -14,7 +14,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 import torch.distributed as dist
 from rich.console import Console
@@ -23,6 +23,7 @@ from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardopt.app import runner
+from shardopt.files import atomic_write
 from shardopt.memory import GB, ModelStateEstimate, capabilities
 
 __all__ = ["demo_rank", "demo_table", "machine_info", "mib", "render_estimate", "write_json"]
@@ -44,12 +45,12 @@ def machine_info() -> dict[str, Any]:
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
     """Write ``payload`` as indented JSON to ``path`` atomically (temp file, then rename)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+    text = json.dumps(payload, indent=2).encode()
+
+    def write(f: IO[bytes]) -> None:
+        f.write(text)
+
+    atomic_write(path, write)
 
 
 def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Table:

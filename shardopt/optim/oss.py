@@ -20,9 +20,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -537,3 +536,62 @@ class OSS(Optimizer):
         }
         self.state = self.optim.state  # type: ignore[assignment]
         self._consolidated = None
+
+    # ------------------------------------------------------------------ sharded checkpoint encoding
+
+    def sharded_state_entries(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's optimizer state for a sharded checkpoint (Note [sharded optimizer layout]
+        in :mod:`shardopt.checkpoint`): live and parked (frozen) entries alike.
+
+        Returns:
+            ``(tensors, values)``, both keyed ``"<index in params>.<state name>"``: the tensors
+            for ``torch.distributed.checkpoint`` (each written by its owner only), the other
+            values for a small metadata file.
+        """
+        tensors: dict[str, torch.Tensor] = {}
+        values: dict[str, Any] = {}
+        for index, entry in self._local_state_by_index().items():
+            for name, value in entry.items():
+                (tensors if isinstance(value, torch.Tensor) else values)[f"{index}.{name}"] = value
+        return tensors, values
+
+    def sharded_state_template(self, saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
+        """Empty tensors for the saved entries this rank owns under the current partition
+        (frozen parameters included), for ``dcp.load`` to fill.
+
+        Args:
+            saved: every saved tensor entry's shape and dtype, keyed as in
+                :meth:`sharded_state_entries`.
+        """
+        params = self.params
+        template: dict[str, torch.Tensor] = {}
+        for key, (shape, dtype) in saved.items():
+            index = int(key.split(".", 1)[0])
+            if index < len(params) and self.owns(index):
+                template[key] = torch.empty(shape, dtype=dtype, device=params[index].device)
+        return template
+
+    def load_sharded_state_entries(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any],
+                                   param_groups: list[dict[str, Any]]) -> None:
+        """Load this rank's entries (filled from a template) and the saved hyperparameters.
+
+        Args:
+            tensors: the filled template of :meth:`sharded_state_template`.
+            values: every rank's non-tensor values, keyed as in :meth:`sharded_state_entries`.
+            param_groups: the saved hyperparameters of every group (without ``params``).
+
+        Raises:
+            ValueError: as :meth:`load_state_dict`.
+        """
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in {**values, **tensors}.items():
+            index_text, name = key.split(".", 1)
+            index = int(index_text)
+            if index < len(self.params) and self.owns(index):
+                state.setdefault(index, {})[name] = value
+        groups, start = [], 0
+        for group, saved in zip(self.param_groups, param_groups):
+            groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        self.load_state_dict({"state": state, "param_groups": groups})
+

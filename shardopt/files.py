@@ -1,0 +1,93 @@
+"""Atomic file writes: the one way shardopt replaces a file (checkpoints, JSON results).
+
+Note [atomic writes]
+The content goes to a temporary file next to the target, named ``.<name>.tmp-<pid>``, is
+flushed to disk, and is renamed over the target with ``os.replace``; then the folder entry
+is flushed too. A crash therefore leaves either the old file or the new one, never half of
+one. A write that fails removes its temporary file; a process killed mid-write (SIGKILL,
+the OOM killer) cannot, so the next write to the same target removes temporary files whose
+process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import IO
+
+__all__ = ["atomic_write", "fsync_dir", "remove_stale_temps"]
+
+
+def _temp_name(path: str, pid: int) -> str:
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.tmp-{pid}")
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a folder's entries to disk (best effort where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not every platform lets a directory be opened; the rename is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Remove temporary files of earlier writes to ``path`` whose process is gone.
+
+    Returns:
+        The files removed.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    prefix = f".{name}.tmp-"
+    removed: list[str] = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return removed
+    for entry in entries:
+        pid_text = entry[len(prefix):]
+        if entry.startswith(prefix) and pid_text.isdigit() and not _alive(int(pid_text)):
+            stale = os.path.join(directory, entry)
+            try:
+                os.remove(stale)
+                removed.append(stale)
+            except OSError:
+                pass
+    return removed
+
+
+def atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` through ``write(file)`` atomically (Note [atomic writes]).
+
+    Args:
+        path: the file to replace (its folder is created).
+        write: writes the whole content to the open binary file it is given.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    remove_stale_temps(path)
+    tmp = _temp_name(path, os.getpid())
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    fsync_dir(directory)
