@@ -35,13 +35,15 @@ import pickle
 import shutil
 import tempfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -50,7 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from shardopt import comm
+from shardopt import comm, failures
+from shardopt.failures import CollectiveError
 from shardopt.files import atomic_write, fsync_dir
 
 __all__ = [
@@ -124,6 +127,18 @@ class ShardedModel(Protocol):
     @staticmethod
     def load_sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                                       osd: dict[str, Any]) -> None: ...
+
+
+@contextmanager
+def _named_failures(label: str) -> Iterator[None]:
+    """dcp's own collectives: a peer that failed or died is named like in shardopt's own
+    (Note [failure board] in :mod:`shardopt.failures`)."""
+    try:
+        yield
+    except (RuntimeError, CheckpointException) as exc:
+        if isinstance(exc, CollectiveError) or not (dist.is_available() and dist.is_initialized()):
+            raise
+        raise failures.collective_error(label, exc) from exc
 
 
 def _rank() -> int:
@@ -433,7 +448,8 @@ def save_sharded(
         shutil.rmtree(staging)  # left by a save that was killed
     _barrier()
     kind, state, values = _encode(model, optimizer)
-    dcp.save(state, checkpoint_id=staging)
+    with _named_failures("shardopt::checkpoint::save"):
+        dcp.save(state, checkpoint_id=staging)
     sums = _checksums(state.get("optim") if kind == "oss" else None, "/optim")
     if _rank() == 0:
         sums.update(_checksums(state["model"], "/model") if kind == "oss" else {})
@@ -526,7 +542,8 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         state: dict[str, Any] = {"model": model.sharded_state_dict()}
         if with_optim:
             state["optim"] = type(model).sharded_optim_state_dict(model, optimizer)  # type: ignore[arg-type]
-        dcp.load(state, checkpoint_id=path)
+        with _named_failures("shardopt::checkpoint::load"):
+            dcp.load(state, checkpoint_id=path)
         model.load_sharded_state_dict(state["model"])
         if with_optim:
             type(model).load_sharded_optim_state_dict(model, optimizer, state["optim"])  # type: ignore[arg-type]
@@ -536,7 +553,8 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
                  for key, item in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
                  if key.startswith("optim.") and isinstance(item, TensorStorageMetadata)}
         state = {"model": _clone(model.state_dict()), "optim": optimizer.sharded_state_template(saved)}
-        dcp.load(state, checkpoint_id=path)
+        with _named_failures("shardopt::checkpoint::load"):
+            dcp.load(state, checkpoint_id=path)
         _verify(repr(path), sums, {**_checksums(state["model"], "/model"), **_checksums(state["optim"], "/optim")})
         if len(meta["param_groups"]) != len(optimizer.param_groups):
             raise ValueError(f"checkpoint {path!r} has {len(meta['param_groups'])} optimizer param groups but the "
@@ -548,11 +566,13 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         assert optimizer is not None
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": _clone(model_state), "optim": _clone(optim_state)}
-        dcp.load(state, checkpoint_id=path)
+        with _named_failures("shardopt::checkpoint::load"):
+            dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         state = {"model": _clone(get_model_state_dict(model))}
-        dcp.load(state, checkpoint_id=path)
+        with _named_failures("shardopt::checkpoint::load"):
+            dcp.load(state, checkpoint_id=path)
         if kind == "oss":
             _verify(repr(path), {k: v for k, v in sums.items() if k.startswith("/model")},
                     _checksums(state["model"], "/model"))

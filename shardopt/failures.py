@@ -93,13 +93,14 @@ def describe(label: str) -> str:
     if len(parts) < 3 or parts[0] != "shardopt":
         return f"the collective {label!r}"
     components = {"sdp": "ShardedDataParallel", "oss": "OSS", "fsdp": "FullyShardedDataParallel",
-                  "scaler": "ShardedGradScaler", "checkpoint": "the checkpoint", "debug": "the debug check"}
+                  "scaler": "ShardedGradScaler", "checkpoint": "shardopt.checkpoint", "debug": "the debug check"}
     phases = {"reduce": "gradient reduction", "param_gather": "parameter gather after the step",
               "all_gather": "parameter all-gather", "reduce_scatter": "gradient reduce-scatter",
               "all_reduce": "gradient all-reduce", "found_inf": "inf/nan agreement",
               "clip_grad_norm": "gradient-norm all-reduce", "startup_sync": "parameter broadcast at construction",
               "buffers": "buffer broadcast", "summon": "full-parameter gather",
-              "optim_state": "optimizer-state gather", "sync_module_states": "module-state broadcast"}
+              "optim_state": "optimizer-state gather", "sync_module_states": "module-state broadcast",
+              "save": "sharded save", "load": "sharded load"}
     text = f"{components.get(parts[1], parts[1])}'s {phases.get(parts[2], parts[2].replace('_', ' '))}"
     if len(parts) > 3:
         rest = parts[3]

@@ -147,3 +147,41 @@ def test_labels_read_as_operations() -> None:
         "FullyShardedDataParallel's gradient reduce-scatter of unit 'blocks.0'"
     assert describe("shardopt::oss::param_gather") == "OSS's parameter gather after the step"
     assert describe("all_reduce") == "the collective 'all_reduce'"
+
+
+def _killed_mid_save(rank: int, world_size: int, folder: str) -> None:
+    from shardopt import checkpoint
+
+    sdp, opt = _sdp_setup(rank)
+    path = os.path.join(folder, "ckpt")
+    checkpoint.save_sharded(path, sdp.module, opt, {"step": 1})  # the checkpoint that must survive
+    sdp(rank_batch(rank, 1)).sum().backward()
+    opt.step()
+    if rank == 1:
+        import torch.distributed.checkpoint as dcp
+
+        real_save = dcp.save
+
+        def die_while_writing(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return real_save(*args, **kwargs)
+
+        dcp.save = die_while_writing  # type: ignore[assignment]
+    _survivor(folder, rank, lambda: checkpoint.save_sharded(path, sdp.module, opt, {"step": 2}))
+
+
+def _load_step(rank: int, world_size: int, path: str) -> int:
+    from shardopt import checkpoint
+
+    sdp, opt = _sdp_setup(rank)
+    return int(checkpoint.load_sharded(path, sdp.module, opt)["step"])
+
+
+def test_a_rank_killed_mid_save_ends_its_peer_and_the_previous_checkpoint_survives(tmp_path: Path) -> None:
+    with pytest.raises(RankFailure):
+        run_ranks(_killed_mid_save, 2, str(tmp_path), timeout_s=GROUP_TIMEOUT_S)
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["kind"] == "CollectiveError" and "rank 1 left" in seen["error"], seen
+    assert seen["error"].startswith("[rank 0] shardopt.checkpoint's sharded save did not complete"), seen
+    assert seen["seconds"] < BOUND_S, seen
+    assert run_ranks(_load_step, 2, str(tmp_path / "ckpt"), timeout_s=60) == [1, 1]
