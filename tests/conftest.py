@@ -4,7 +4,9 @@ forked ranks do not each pay for them."""
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -13,6 +15,20 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  - DDP imports it lazily (1.5 s per forked rank otherwise)
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _in_process_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked ``distributed`` fails if it starts a process, so the marker stays
+    true and ``pytest -m "not distributed"`` stays fast."""
+    if request.node.get_closest_marker("distributed") is not None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.distributed")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

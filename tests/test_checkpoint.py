@@ -15,7 +15,9 @@ from shardopt import checkpoint, comm
 from shardopt.app.models import CharBatches, build_model, stdlib_corpus
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 _CORPUS = stdlib_corpus(2**16)
 

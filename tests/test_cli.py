@@ -22,8 +22,10 @@ from shardopt.app.bench import merge_rounds
 from shardopt.app.cli import main
 from shardopt.app.launch import run_launched
 from shardopt.app.models import PRESETS
+from tests.helpers.processes import REPO, session_processes as _session_processes
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
+
 TINY = ["--model", "tiny", "--batch-size", "2", "--threads-per-rank", "1"]
 
 
@@ -56,7 +58,7 @@ def test_estimate_counts_a_real_model(tmp_path: Any) -> None:
     assert data["num_params"] == PRESETS["27m"].num_params() > 27_000_000
     assert data["largest_layer_params"] == 528 * 4 * 528
     assert data["ddp_bytes"] == 16 * data["num_params"]
-    assert main(["estimate", "--model", "tests.common:seeded_mlp", "--world-size", "4", "--json", str(out)]) == 0
+    assert main(["estimate", "--model", "tests.helpers.data:seeded_mlp", "--world-size", "4", "--json", str(out)]) == 0
     data = _json(out)
     assert data["num_params"] == (8 * 16 + 16) + (16 * 32 + 32) + (32 * 4 + 4)
     assert data["largest_layer_params"] == 16 * 32
@@ -326,20 +328,6 @@ def test_bench_plot_writes_a_png(tmp_path: Any) -> None:
     png = tmp_path / "bench.png"
     assert main(["bench", *TINY, "--steps", "3", "--warmup-steps", "1", "--modes", "zero2", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def _session_processes(sid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                found.append(int(entry))
-    return sorted(found)
 
 
 def test_ctrl_c_stops_all_ranks_and_exits_130() -> None:

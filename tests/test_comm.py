@@ -17,6 +17,8 @@ import torch.distributed as dist
 from shardopt import comm
 from shardopt.testing import run_ranks
 
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
+
 
 def _splits(gen: torch.Generator, world_size: int) -> list[list[int]]:
     """``table[src][dst]`` elements ``src`` sends ``dst``; some zero, one whole row zero."""

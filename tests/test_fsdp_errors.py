@@ -14,8 +14,10 @@ from torch import nn
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import MixedPrecision, ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
-from tests.common import rank_batch, seeded_mlp
-from tests.fsdp_models import Block, gpt, lm_loss, tokens
+from tests.helpers.data import rank_batch, seeded_mlp
+from tests.helpers.gpt import Block, gpt, lm_loss, tokens
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 
 def _message(fn: Callable[[], Any], kind: type[BaseException]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import copy
 from pathlib import Path
 
@@ -16,8 +17,10 @@ from shardopt import comm
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import MixedPrecision, ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff, rank_batch, seeded_mlp
-from tests.fsdp_models import Block, gpt, lm_loss, tokens
+from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.gpt import Block, gpt, lm_loss, tokens
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 BLOCKS = ModuleClassPolicy((Block,))
 

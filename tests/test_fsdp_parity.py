@@ -16,8 +16,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, NameGlobPolicy, ShardingStrategy, SizePolicy
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff
-from tests.fsdp_models import Block, gpt, lm_loss, tokens
+from tests.helpers.data import max_abs_diff
+from tests.helpers.gpt import Block, gpt, lm_loss, tokens
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
 WRAPS = ("single", "blocks", "by_hand", "embed_and_blocks", "size", "glob")

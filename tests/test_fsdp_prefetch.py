@@ -9,26 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from shardopt import comm
 from shardopt.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
-from tests.fsdp_models import Block, TinyGPT, lm_loss, tokens
+from tests.helpers.gpt import Block, lm_loss, tokens
+from tests.helpers.gpt import SkippingGPT as _SkippingGPT
 
-
-class _SkippingGPT(TinyGPT):
-    """TinyGPT whose forward can leave blocks out (a data-dependent execution order)."""
-
-    skip: tuple[int, ...] = ()
-
-    def forward(self, toks: torch.Tensor) -> torch.Tensor:
-        x = self.embed(toks) + self.pos[: toks.shape[1]]
-        for i, block in enumerate(self.blocks):
-            if i not in self.skip:
-                x = block(x)
-        return self.head(self.ln_f(x))
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 
 def _logged_step(model: FSDP, core: _SkippingGPT, rank: int, log: list[str]) -> None:

@@ -3,6 +3,7 @@ apply, clip_grad_norm_, sync_module_states, optimizer state consolidation and re
 
 from __future__ import annotations
 
+import pytest
 import io
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff, rank_batch, seeded_mlp
-from tests.fsdp_models import Block, gpt, lm_loss, tokens
+from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.gpt import Block, gpt, lm_loss, tokens
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 BLOCKS = ModuleClassPolicy((Block,))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -17,8 +18,10 @@ from shardopt import comm
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff
-from tests.fsdp_models import Block, gpt, lm_loss, tokens
+from tests.helpers.data import max_abs_diff
+from tests.helpers.gpt import Block, gpt, lm_loss, tokens
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
 

@@ -13,7 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 
 def _scaler_run(rank: int, world_size: int) -> dict[str, Any]:

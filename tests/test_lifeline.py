@@ -4,13 +4,16 @@ already gone. (The whole launcher, fork server and ranks: test_cli.py.)"""
 
 from __future__ import annotations
 
+import pytest
 import os
 import signal
 import subprocess
 import sys
 import time
 
-from tests.test_cli import REPO, _session_processes
+from tests.helpers.processes import REPO, session_processes as _session_processes
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 # a "rank" that arms itself against its parent without prctl, so only the watchdog can act
 _RANK = ("import os, time; from shardopt.app import lifeline; lifeline._set_parent_death_signal = lambda: False; "

@@ -10,6 +10,8 @@ import torch
 from shardopt import memory
 from shardopt.testing import run_ranks
 
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
+
 MiB = 2**20
 
 

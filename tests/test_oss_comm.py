@@ -24,7 +24,9 @@ from shardopt.optim.param_gather import ParamGather
 from shardopt.optim import OSS
 from shardopt.partition import partition_by_size
 from shardopt.testing import run_ranks
-from tests.oss_common import mixed_mlp
+from tests.helpers.oss import mixed_mlp
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 needs_proc_io = pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io (Linux)")
 

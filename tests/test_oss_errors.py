@@ -13,7 +13,9 @@ from torch.optim import SGD, Adam
 
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
-from tests.common import seeded_mlp
+from tests.helpers.data import seeded_mlp
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 
 def test_optimizer_instance_instead_of_class_is_a_type_error() -> None:

@@ -21,8 +21,10 @@ from torch.optim import SGD, Adagrad, Adam, Optimizer
 from shardopt import comm
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
-from tests.common import rank_batch, seeded_mlp
-from tests.oss_common import ddp_average_grads, loss_fn, mixed_mlp, relative_diff
+from tests.helpers.data import rank_batch, seeded_mlp
+from tests.helpers.oss import ddp_average_grads, loss_fn, mixed_mlp, relative_diff
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 OPTIMS: tuple[tuple[str, type[Optimizer], dict[str, Any]], ...] = (
     ("sgd_momentum", SGD, {"lr": 0.05, "momentum": 0.9}),

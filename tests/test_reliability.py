@@ -25,7 +25,9 @@ from shardopt.nn import FullyShardedDataParallel as FSDP
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import RankFailure, run_ranks
-from tests.common import rank_batch, seeded_mlp
+from tests.helpers.data import rank_batch, seeded_mlp
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 GROUP_TIMEOUT_S = 60.0  # far above every bound asserted below
 BOUND_S = 8.0

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -17,38 +16,15 @@ from shardopt.memory import heap_bytes
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
-from tests.common import add_to_grads, average_in_rank_order, max_abs_diff, rank_batch, reference_backward, seeded_mlp
+from tests.helpers.data import add_to_grads, average_in_rank_order, max_abs_diff, rank_batch, reference_backward, seeded_mlp
+from tests.helpers.sdp import Branchy, rel_diff, tolerance
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
     "sgd_momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
 }
-
-
-def tolerance(world_size: int) -> float:
-    """Exact at 1 and 2 ranks (fp32 sums of two terms commute); 1e-6 relative beyond."""
-    return 0.0 if world_size <= 2 else 1e-6
-
-
-def rel_diff(a: nn.Module, b: nn.Module) -> float:
-    scale = max(p.detach().abs().max().item() for p in b.parameters())
-    return max_abs_diff(a.parameters(), b.parameters()) / max(scale, 1e-12)
-
-
-class Branchy(nn.Module):
-    """A trunk and three heads: ``a`` always used, ``b`` used when asked, ``never`` never."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = nn.Linear(8, 16)
-        self.a = nn.Linear(16, 4)
-        self.b = nn.Linear(16, 4)
-        self.never = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
-        h = F.relu(self.trunk(x))
-        return self.a(h) + self.b(h) if use_b else self.a(h)
 
 
 def reference_step(
@@ -57,7 +33,7 @@ def reference_step(
     world_size: int,
     loss_of: Callable[[nn.Module, int], torch.Tensor],
 ) -> None:
-    """One data-parallel step in one process (see :func:`tests.common.reference_backward`)."""
+    """One data-parallel step in one process (see :func:`tests.helpers.data.reference_backward`)."""
     reference_backward(model, world_size, loss_of)
     opt.step()
 

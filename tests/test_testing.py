@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from shardopt.testing import RankFailure, RankTimeout, run_ranks
 
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
+
 
 def _identity(rank: int, world_size: int, tag: str) -> tuple[int, int, str, int, float, torch.Tensor]:
     t = torch.tensor([float(rank + 1)])

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from tests.common import rank_batch
+from tests.helpers.data import rank_batch
 
 
 class CastTo(nn.Module):

@@ -28,8 +28,10 @@ from shardopt import comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
-from tests.common import add_to_grads, average_in_rank_order, rank_batch, reference_backward, seeded_mlp
-from tests.test_sharded_ddp import Branchy, rel_diff, tolerance
+from tests.helpers.data import add_to_grads, average_in_rank_order, rank_batch, reference_backward, seeded_mlp
+from tests.helpers.sdp import Branchy, rel_diff, tolerance
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 LossOf = Callable[[nn.Module, int], torch.Tensor]
 

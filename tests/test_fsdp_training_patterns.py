@@ -18,8 +18,10 @@ from shardopt import comm
 from shardopt.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import RankFailure, run_ranks
-from tests.common import max_abs_diff
-from tests.fsdp_models import Block, TinyGPT, gpt, lm_loss, tokens
+from tests.helpers.data import max_abs_diff
+from tests.helpers.gpt import Block, TinyGPT, gpt, lm_loss, tokens
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 BLOCKS = ModuleClassPolicy((Block,))
 SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
@@ -305,7 +307,7 @@ def test_inf_gradient_on_one_rank_reaches_every_rank_without_hanging() -> None:
 
 
 def _unit_skipped_on_one_rank(rank: int, world_size: int) -> None:
-    from tests.test_fsdp_prefetch import _SkippingGPT
+    from tests.helpers.gpt import SkippingGPT as _SkippingGPT
 
     torch.manual_seed(0)
     core = _SkippingGPT(depth=3)

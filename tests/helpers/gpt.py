@@ -59,3 +59,16 @@ def tokens(rank: int, step: int, batch: int = 3, seq: int = 6, vocab: int = 37) 
 def lm_loss(logits: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy."""
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), toks[:, 1:].reshape(-1))
+
+
+class SkippingGPT(TinyGPT):
+    """TinyGPT whose forward can leave blocks out (a data-dependent execution order)."""
+
+    skip: tuple[int, ...] = ()
+
+    def forward(self, toks: torch.Tensor) -> torch.Tensor:
+        x = self.embed(toks) + self.pos[: toks.shape[1]]
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                x = block(x)
+        return self.head(self.ln_f(x))
