@@ -14,7 +14,6 @@ of all ranks.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import statistics
 import time
@@ -32,8 +31,6 @@ from shardopt.app.models import PRESETS, CharBatches, build_model, stdlib_corpus
 from shardopt.app.modes import Wrapped, full_parameters, get_mode, load_optimizer_state
 
 __all__ = ["RankReport", "StepInfo", "TrainJob", "check_resumable", "init_process_group_from_env", "train"]
-
-logger = logging.getLogger(__name__)
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
