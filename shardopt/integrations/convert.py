@@ -1,10 +1,11 @@
-"""Turn an optimizer a framework built for us into an :class:`~shardopt.optim.OSS`.
+"""Framework-independent pieces of the integrations: an optimizer a framework built becomes
+an :class:`~shardopt.optim.OSS`, and a ZeRO-3 model becomes a plain module again.
 
 Frameworks (Lightning's ``configure_optimizers``, Hugging Face's ``create_optimizer``) hand
 over a plain ``torch.optim`` optimizer, often with LR schedulers already bound to it.
 :func:`to_oss` rebuilds it as OSS with the same class, param groups, hyperparameters and
 state; :func:`rebind_scheduler` points a scheduler (and the schedulers it chains) at the
-new optimizer.
+new optimizer. :func:`release` gives a framework back the plain module after ZeRO-3 training.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import inspect
 import weakref
 from typing import Any
 
+from torch import nn
 from torch.optim import Optimizer
 
+from shardopt.nn import FullyShardedDataParallel
 from shardopt.optim import OSS
 
-__all__ = ["rebind_scheduler", "to_oss"]
+__all__ = ["rebind_scheduler", "release", "to_oss"]
 
 # Optimizers whose step cannot run on a shard of the parameters.
 _REFUSED: dict[str, str] = {
@@ -150,3 +153,35 @@ def rebind_scheduler(scheduler: Any, old: Optimizer, new: Optimizer) -> None:
         if getattr(old, "_opt_called", False):
             new._opt_called = True  # type: ignore[attr-defined]
 
+
+def release(root: FullyShardedDataParallel) -> nn.Module:
+    """Turn a FullyShardedDataParallel tree back into its plain module, with full parameters.
+
+    How it works: ``root.state_dict()`` gathers every parameter in full on every rank; the
+    nested units are replaced by their modules; each parameter is replaced by a new
+    ``nn.Parameter`` holding its full value (shared parameters stay shared). New objects,
+    because FSDP remembers the parameters it owns and would refuse to wrap them again.
+    Collective over the model's ranks.
+
+    Args:
+        root: the outermost wrapper.
+
+    Returns:
+        ``root.module``, a plain module.
+    """
+    full = root.state_dict()
+    plain = root.module
+    for parent in list(plain.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FullyShardedDataParallel):
+                setattr(parent, name, child.module)
+    replaced: dict[int, nn.Parameter] = {}
+    for prefix, module in plain.named_modules(remove_duplicate=False):
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            key = f"{prefix}.{name}" if prefix else name
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(full[key], requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
+    return plain

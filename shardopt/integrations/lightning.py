@@ -42,15 +42,14 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
 from torch.optim import Optimizer
 
-from shardopt.integrations.convert import rebind_scheduler, to_oss
+from shardopt.integrations.convert import rebind_scheduler, release, to_oss
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 
 __all__ = [
-    "ShardedMixedPrecision", "ShardedPrecision", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "release",
+    "ShardedMixedPrecision", "ShardedPrecision", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy",
 ]
 
 logger = logging.getLogger(__name__)
@@ -412,39 +411,6 @@ class ZeRO3Strategy(_ShardedStrategy):
             release(root)
             self.model = self.lightning_module
         super().teardown()
-
-
-def release(root: FullyShardedDataParallel) -> nn.Module:
-    """Turn a FullyShardedDataParallel tree back into its plain module, with full parameters.
-
-    How it works: ``root.state_dict()`` gathers every parameter in full on every rank; the
-    nested units are replaced by their modules; each parameter is replaced by a new
-    ``nn.Parameter`` holding its full value (shared parameters stay shared). New objects,
-    because FSDP remembers the parameters it owns and would refuse to wrap them again.
-    Collective over the model's ranks.
-
-    Args:
-        root: the outermost wrapper.
-
-    Returns:
-        ``root.module``, a plain module.
-    """
-    full = root.state_dict()
-    plain = root.module
-    for parent in list(plain.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, FullyShardedDataParallel):
-                setattr(parent, name, child.module)
-    replaced: dict[int, nn.Parameter] = {}
-    for prefix, module in plain.named_modules(remove_duplicate=False):
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            key = f"{prefix}.{name}" if prefix else name
-            if id(param) not in replaced:
-                replaced[id(param)] = nn.Parameter(full[key], requires_grad=param.requires_grad)
-            module._parameters[name] = replaced[id(param)]
-    return plain
 
 
 def _register() -> None:
