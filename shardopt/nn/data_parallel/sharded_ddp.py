@@ -151,6 +151,7 @@ class ShardedDataParallel(nn.Module):
         self._set_aside: dict[nn.Parameter, torch.Tensor] = {}
         self._written: dict[nn.Parameter, weakref.ref[torch.Tensor]] = {}
         self._local_pending: set[nn.Parameter] = set()
+        self._closed = False
         if sync_models_at_startup:
             self._sync_params_and_buffers()
         self._setup()
@@ -220,6 +221,7 @@ class ShardedDataParallel(nn.Module):
 
     def refresh_trainable(self) -> None:
         """Re-partition the optimizers and rebuild buckets after (un)freezing. All ranks."""
+        self._check_open("refresh_trainable()")
         if self._in_flight or self._next_launch:
             raise RuntimeError(
                 f"[rank {self.rank}] refresh_trainable() was called while gradients are being reduced; "
@@ -250,12 +252,54 @@ class ShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module (refreshing trainability and syncing buffers first)."""
+        """Run the wrapped module (refreshing trainability and syncing buffers first).
+
+        Raises:
+            RuntimeError: the wrapper was closed (:meth:`close`) and the module is training.
+        """
         if self.module.training:
+            self._check_open("a training forward")
             self._check_trainability()
             if self.broadcast_buffers:
                 self.sync_buffers(blocking=True)
         return self.module(*inputs, **kwargs)
+
+    def close(self) -> None:
+        """Detach from the module: remove every gradient hook this wrapper registered.
+
+        Afterwards ``self.module`` is a plain module again, whose gradients stay local as
+        without the wrapper; an owner's reduced gradient set aside during a ``no_sync``
+        backward is added back into its ``.grad``. Idempotent and local (no collective).
+        The wrapper is also a context manager that closes on exit.
+
+        Raises:
+            RuntimeError: gradients are being reduced (called inside a backward pass).
+        """
+        if self._in_flight or self._next_launch:
+            raise RuntimeError(
+                f"[rank {self.rank}] close() was called while gradients are being reduced; "
+                "call it between iterations (after optimizer.step())"
+            )
+        self._remove_hooks()
+        self._accumulators = []
+        for param, kept in self._set_aside.items():  # Note [owner's gradient across backward passes]
+            param.grad = kept if param.grad is None else kept.add_(param.grad)
+        self._set_aside.clear()
+        self._written.clear()
+        self._closed = True
+
+    def __enter__(self) -> ShardedDataParallel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"[rank {self.rank}] {what} on a closed ShardedDataParallel: its gradient hooks were removed by "
+                "close(), so gradients would not be reduced; train the module through a new ShardedDataParallel"
+            )
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -1,0 +1,10 @@
+"""Integrations with training frameworks; each lives in its own module and imports its
+framework only when that module is imported.
+
+* :mod:`shardopt.integrations.lightning`: Lightning strategies ``shardopt_zero1``,
+  ``shardopt_zero2`` and ``shardopt_zero3`` (registered on import).
+* :mod:`shardopt.integrations.transformers`: a Hugging Face ``Trainer`` subclass training
+  with OSS, ShardedDataParallel or FullyShardedDataParallel.
+* :mod:`shardopt.integrations.convert`: rebuild a plain ``torch.optim`` optimizer as
+  :class:`~shardopt.optim.OSS` and rebind its LR schedulers (torch only; used by both).
+"""

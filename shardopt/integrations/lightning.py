@@ -1,0 +1,422 @@
+"""Lightning strategies: ZeRO-1, ZeRO-2 and ZeRO-3 with shardopt.
+
+Importing this module registers three names in Lightning's ``StrategyRegistry``:
+
+==================  =====================================================  =====================
+name                what it does                                           class
+==================  =====================================================  =====================
+``shardopt_zero1``  DDP + :class:`~shardopt.optim.OSS`                      :class:`ZeRO1Strategy`
+``shardopt_zero2``  :class:`~shardopt.nn.ShardedDataParallel` + OSS         :class:`ZeRO2Strategy`
+``shardopt_zero3``  :class:`~shardopt.nn.FullyShardedDataParallel`          :class:`ZeRO3Strategy`
+==================  =====================================================  =====================
+
+``configure_optimizers`` stays as it is (a plain ``torch.optim`` optimizer and its LR
+schedulers): ZeRO-1/2 rebuild the optimizer as OSS and rebind the schedulers
+(:mod:`shardopt.integrations.convert`); ZeRO-3 wraps the model first, so the optimizer is
+built on the sharded parameters. Gradient accumulation uses the wrapper's ``no_sync``;
+``gradient_clip_val`` with the norm algorithm clips by the global norm (Note [clipping
+sharded gradients]); precision ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (with
+:class:`~shardopt.optim.grad_scaler.ShardedGradScaler`); checkpoints hold plain, full state
+dicts; after ``fit`` the LightningModule is a plain module again.
+
+Note [clipping sharded gradients]
+Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters on
+each rank. Under ZeRO-2 and ZeRO-3 a rank holds only its shard of the gradients, so every
+rank would compute a different, too small norm and clip by it: silently wrong. The
+strategies install precision plugins whose ``clip_grad_by_norm`` calls
+``OSS.clip_grad_norm`` (ZeRO-1/2) or ``FullyShardedDataParallel.clip_grad_norm_`` (ZeRO-3),
+which combine the ranks' parts into the norm of the full gradient. Clipping by value is
+elementwise and stays Lightning's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Generator, Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+
+from shardopt.integrations.convert import rebind_scheduler, release, to_oss
+from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
+from shardopt.optim import OSS, ShardedGradScaler
+
+__all__ = [
+    "ShardedMixedPrecision", "ShardedPrecision", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy",
+]
+
+logger = logging.getLogger(__name__)
+
+ClipNorm = Callable[[Optimizer, float], torch.Tensor]
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+class ShardedPrecision(Precision):
+    """Lightning's ``"32-true"`` precision with clipping by the global gradient norm.
+
+    Args:
+        clip_norm: ``clip_norm(optimizer, max_norm)`` clips the gradients of every rank by
+            their global norm and returns it (Note [clipping sharded gradients]).
+    """
+
+    def __init__(self, clip_norm: ClipNorm) -> None:
+        super().__init__()
+        self.clip_norm = clip_norm
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Clip by the norm of the full gradient (a collective: every rank clips)."""
+        self.clip_norm(_unwrap(optimizer), float(clip_val))
+
+
+class ShardedMixedPrecision(MixedPrecision):
+    """Lightning's ``"bf16-mixed"`` / ``"16-mixed"`` with global-norm clipping and, for
+    fp16, a :class:`~shardopt.optim.grad_scaler.ShardedGradScaler` (every rank skips a step
+    when any rank saw an inf/nan in its shard).
+
+    Args:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        device: the autocast device type (``"cpu"``, ``"cuda"``).
+        clip_norm: as for :class:`ShardedPrecision`.
+        scaler: for ``"16-mixed"``; default ``ShardedGradScaler(device=device)``.
+    """
+
+    def __init__(self, precision: str, device: str, clip_norm: ClipNorm,
+                 scaler: ShardedGradScaler | None = None) -> None:
+        if precision == "16-mixed" and scaler is None:
+            scaler = ShardedGradScaler(device=device)
+        super().__init__(precision, device, scaler)  # type: ignore[arg-type]
+        self.clip_norm = clip_norm
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Clip by the norm of the full gradient (a collective: every rank clips)."""
+        self.clip_norm(_unwrap(optimizer), float(clip_val))
+
+
+def _sharded_scaler(scaler: torch.amp.GradScaler, device: str) -> ShardedGradScaler:
+    """A ShardedGradScaler with the settings of a torch ``GradScaler`` the user configured."""
+    if isinstance(scaler, ShardedGradScaler):
+        return scaler
+    return ShardedGradScaler(
+        init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+        backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
+        enabled=scaler.is_enabled(), device=device,
+    )
+
+
+class _ShardedStrategy(DDPStrategy):
+    """What the three strategies share: their precision plugins, ``no_sync`` for
+    accumulation and a plain module after teardown. Subclasses define how a model is
+    wrapped and how gradients are clipped."""
+
+    strategy_name = ""
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision plugin, converted to clip by the global norm (see module docstring)."""
+        if self._precision_plugin is None:
+            self._precision_plugin = self._sharded_precision(Precision())
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else self._sharded_precision(plugin)
+
+    def _sharded_precision(self, plugin: Precision) -> Precision:
+        if isinstance(plugin, (ShardedPrecision, ShardedMixedPrecision)):
+            plugin.clip_norm = self.clip_grad_norm
+            return plugin
+        if type(plugin) is Precision:
+            return ShardedPrecision(self.clip_grad_norm)
+        if type(plugin) is MixedPrecision:
+            scaler = None if plugin.scaler is None else _sharded_scaler(plugin.scaler, plugin.device)
+            return ShardedMixedPrecision(plugin.precision, plugin.device, self.clip_grad_norm, scaler)
+        name = getattr(plugin, "precision", type(plugin).__name__)
+        raise ValueError(
+            f"strategy {self.strategy_name!r} supports precision '32-true', 'bf16-mixed' and '16-mixed', got "
+            f"{name!r} ({type(plugin).__name__}); pass Trainer(precision=...) with one of those"
+        )
+
+    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip every rank's gradients by the global norm (Note [clipping sharded gradients])."""
+        raise NotImplementedError
+
+    def _wrapped(self) -> ShardedDataParallel | FullyShardedDataParallel | None:
+        model = self.model
+        return model if isinstance(model, (ShardedDataParallel, FullyShardedDataParallel)) else None
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally (the wrapper's ``no_sync``)."""
+        wrapped = self._wrapped()
+        context = wrapped.no_sync() if wrapped is not None else super().block_backward_sync()
+        with context:
+            yield None
+
+    def _require_empty_ddp_kwargs(self, wrapper: str) -> None:
+        if self._ddp_kwargs:
+            raise TypeError(
+                f"{type(self).__name__} got unexpected arguments {sorted(self._ddp_kwargs)}: they would go to "
+                f"DistributedDataParallel, which this strategy does not use; pass {wrapper} arguments as "
+                f"{wrapper.lower()}_kwargs={{...}}"
+            )
+
+
+class _OSSStrategy(_ShardedStrategy):
+    """ZeRO-1/2: rebuild the optimizers of ``configure_optimizers`` as OSS."""
+
+    def __init__(self, oss_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.oss_kwargs = dict(oss_kwargs or {})
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """Build the user's optimizers, rebuild each as OSS and rebind its LR schedulers.
+
+        Raises:
+            ValueError: an optimizer cannot be sharded (see :func:`~shardopt.integrations.
+                convert.to_oss`), or a scheduler cannot be rebound.
+        """
+        super().setup_optimizers(trainer)
+        converted = []
+        for optimizer in self.optimizers:
+            optimizer = _unwrap(optimizer)
+            if not any(g["params"] for g in optimizer.param_groups):  # configure_optimizers returned None
+                converted.append(optimizer)
+                continue
+            oss = to_oss(optimizer, **self.oss_kwargs)
+            for config in self.lr_scheduler_configs:
+                rebind_scheduler(config.scheduler, optimizer, oss)
+            converted.append(oss)
+        self.optimizers = converted
+
+    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
+        """``OSS.clip_grad_norm``: exactly torch's norm of the full gradients.
+
+        Raises:
+            TypeError: ``optimizer`` is not an OSS.
+        """
+        if not isinstance(optimizer, OSS):
+            raise TypeError(f"{self.strategy_name!r} clips the gradients of its OSS optimizers, got a "
+                            f"{type(optimizer).__name__}; clip through the trainer (gradient_clip_val)")
+        return optimizer.clip_grad_norm(max_norm)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The plain ``torch.optim`` state dict, consolidated on global rank 0 (a collective;
+        other ranks return ``{}``: only rank 0 writes the checkpoint)."""
+        optimizer = _unwrap(optimizer)
+        if not isinstance(optimizer, OSS):
+            return super().optimizer_state(optimizer)
+        optimizer.consolidate_state_dict(recipient_rank=0)
+        return optimizer.state_dict() if self.is_global_zero else {}
+
+
+class ZeRO1Strategy(_OSSStrategy):
+    """ZeRO-1: Lightning's DDP with the optimizer rebuilt as :class:`~shardopt.optim.OSS`.
+
+    How it works: DDP all-reduces gradients as usual; each rank steps the optimizer state
+    of the parameters it owns and OSS gathers the updated parameters. Checkpoints hold the
+    consolidated, plain optimizer state (loadable at any world size or without shardopt).
+
+    Args:
+        oss_kwargs: extra :class:`~shardopt.optim.OSS` arguments (``broadcast_fp16``).
+        **kwargs: Lightning ``DDPStrategy`` arguments, DDP's own included.
+    """
+
+    strategy_name = "shardopt_zero1"
+
+
+class ZeRO2Strategy(_OSSStrategy):
+    """ZeRO-2: :class:`~shardopt.nn.ShardedDataParallel` with the optimizer rebuilt as OSS.
+
+    How it works: the LightningModule is wrapped once its optimizers are OSS (the wrapper
+    reads their ownership plan); gradients are reduced to their owner only. Accumulation
+    runs under ``ShardedDataParallel.no_sync``; clipping uses ``OSS.clip_grad_norm``. At
+    teardown the wrapper is closed, leaving the plain module.
+
+    Args:
+        oss_kwargs: extra :class:`~shardopt.optim.OSS` arguments.
+        sdp_kwargs: extra :class:`~shardopt.nn.ShardedDataParallel` arguments
+            (``reduce_buffer_size``, ``reduce_dtype``, ...).
+        **kwargs: Lightning ``DDPStrategy`` arguments other than DDP's own.
+
+    Raises:
+        TypeError: DDP arguments were passed.
+    """
+
+    strategy_name = "shardopt_zero2"
+
+    def __init__(self, oss_kwargs: Mapping[str, Any] | None = None,
+                 sdp_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(oss_kwargs, **kwargs)
+        self._require_empty_ddp_kwargs("SDP")
+        self.sdp_kwargs = dict(sdp_kwargs or {})
+
+    def configure_ddp(self) -> None:
+        """Nothing here: the model is wrapped in :meth:`setup_optimizers`, once the OSS exist."""
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """Rebuild the optimizers as OSS, then wrap the model in ShardedDataParallel."""
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING or isinstance(self.model, ShardedDataParallel):
+            return
+        sharded = [o for o in self.optimizers if isinstance(o, OSS)]
+        assert self.model is not None
+        self.model = ShardedDataParallel(self.model, sharded, **self.sdp_kwargs)
+
+    def teardown(self) -> None:
+        """Close the wrapper (its hooks are removed) and leave the plain LightningModule."""
+        if isinstance(self.model, ShardedDataParallel):
+            self.model.close()
+            self.model = self.lightning_module
+        super().teardown()
+
+
+class ZeRO3Strategy(_ShardedStrategy):
+    """ZeRO-3: the LightningModule wrapped in :class:`~shardopt.nn.FullyShardedDataParallel`.
+
+    How it works: the model is wrapped before ``configure_optimizers`` runs, so the plain
+    ``torch.optim`` optimizer it returns is built on the sharded parameters (each rank
+    steps its slice). Accumulation runs under ``FullyShardedDataParallel.no_sync``, clipping
+    uses its ``clip_grad_norm_``. Checkpoints hold the full model state dict and the full,
+    name-keyed optimizer state (gathered on rank 0, resharded on load at any world size);
+    the checkpoint is restored after the model is wrapped. At teardown the full parameters
+    are gathered into new parameters of the plain module and the units are removed, so the
+    module works after ``fit`` (and can be wrapped again).
+
+    Args:
+        fsdp_kwargs: :class:`~shardopt.nn.FullyShardedDataParallel` arguments
+            (``auto_wrap_policy``, ``sharding_strategy``, ``mixed_precision``, ...).
+        **kwargs: Lightning ``DDPStrategy`` arguments other than DDP's own.
+
+    Raises:
+        TypeError: DDP arguments were passed.
+    """
+
+    strategy_name = "shardopt_zero3"
+
+    def __init__(self, fsdp_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._require_empty_ddp_kwargs("FSDP")
+        self.fsdp_kwargs = dict(fsdp_kwargs or {})
+        self._failed = False
+
+    def configure_ddp(self) -> None:
+        """Wrap the LightningModule in FullyShardedDataParallel."""
+        assert self.model is not None
+        self.model = FullyShardedDataParallel(self.model, **self.fsdp_kwargs)
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """Build the user's optimizers on the sharded parameters.
+
+        Raises:
+            TypeError: an optimizer is an OSS (the state is already sharded by ZeRO-3).
+        """
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            if isinstance(_unwrap(optimizer), OSS):
+                raise TypeError(
+                    f"{self.strategy_name!r} shards the optimizer state itself; return a plain torch.optim "
+                    "optimizer from configure_optimizers, not an OSS"
+                )
+
+    def _root(self) -> FullyShardedDataParallel | None:
+        return self.model if isinstance(self.model, FullyShardedDataParallel) else None
+
+    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
+        """``FullyShardedDataParallel.clip_grad_norm_`` over the whole model.
+
+        Raises:
+            RuntimeError: the model is not wrapped (called outside ``fit``).
+            ValueError: the optimizer does not hold every trainable parameter (the model's
+                norm is not the optimizer's then).
+        """
+        root = self._root()
+        if root is None:
+            raise RuntimeError(f"{self.strategy_name!r} clips the wrapped model's gradients, which exist only "
+                               "during fit; outside fit use torch.nn.utils.clip_grad_norm_ on the plain module")
+        held = {p for g in optimizer.param_groups for p in g["params"]}
+        if any(p.requires_grad and p not in held for p in root.parameters()):
+            raise ValueError(
+                f"{self.strategy_name!r} clips by the norm of the whole model, but this optimizer does not hold "
+                "every trainable parameter; use one optimizer over all of them, or clip by value"
+            )
+        return root.clip_grad_norm_(max_norm)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """True: a checkpoint is loaded into the wrapped model and its sharded optimizer."""
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full state dict with the LightningModule's own names (gathered on rank 0;
+        a collective)."""
+        root = self._root()
+        return root.state_dict(rank0_only=True) if root is not None else super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full, name-keyed optimizer state on rank 0 (a collective; ``{}`` elsewhere).
+
+        Raises:
+            RuntimeError: the model is not wrapped (saving optimizer state after ``fit``).
+        """
+        root = self._root()
+        if root is None:
+            raise RuntimeError(
+                f"{self.strategy_name!r}: the optimizer state lives in the shards of the wrapped model, which "
+                "teardown released after fit; save checkpoints during fit (ModelCheckpoint), or after fit with "
+                "trainer.save_checkpoint(path, weights_only=True)"
+            )
+        return FullyShardedDataParallel.full_optim_state_dict(root, _unwrap(optimizer), rank0_only=True)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load the full state dict into the shards (every rank reads the checkpoint)."""
+        root = self._root()
+        if root is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        root.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Reshard each full optimizer state onto this rank's slices and load it."""
+        root = self._root()
+        assert root is not None, "optimizers are restored only while fitting, after the model is wrapped"
+        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer = _unwrap(optimizer)
+            optimizer.load_state_dict(FullyShardedDataParallel.shard_full_optim_state_dict(full, root, optimizer))
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Remember the failure: teardown then skips the (collective) gather of parameters."""
+        self._failed = True
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        """Gather the full parameters into the plain LightningModule and remove the units.
+
+        A collective on success. After an exception the peers may never join it, so the
+        module is left wrapped (and a warning logged).
+        """
+        root = self._root()
+        if root is not None and self._failed:
+            logger.warning("%s: fit failed; the LightningModule keeps its sharded parameters", self.strategy_name)
+        elif root is not None:
+            release(root)
+            self.model = self.lightning_module
+        super().teardown()
+
+
+def _register() -> None:
+    for cls in (ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy):
+        if cls.strategy_name not in StrategyRegistry:
+            StrategyRegistry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").split("\n")[0])
+
+
+_register()

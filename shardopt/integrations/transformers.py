@@ -1,0 +1,327 @@
+"""Hugging Face ``Trainer`` with shardopt: ZeRO-1, ZeRO-2 or ZeRO-3.
+
+:class:`ShardedTrainer` is ``transformers.Trainer`` plus :class:`ShardedTrainerMixin`;
+mix the mixin into another ``Trainer`` subclass the same way (``class
+MyTrainer(ShardedTrainerMixin, SFTTrainer)``). Choose the stage with
+:class:`Sharding`::
+
+    trainer = ShardedTrainer(model=model, args=args, train_dataset=ds, sharding=Sharding(stage=2))
+
+What changes against a plain ``Trainer`` (everything else is the Trainer's own):
+
+* the optimizer the Trainer builds (or the one passed in ``optimizers=``) is rebuilt as
+  :class:`~shardopt.optim.OSS` (stages 1, 2) and the scheduler rebound; for stage 3 the
+  model is wrapped in :class:`~shardopt.nn.FullyShardedDataParallel` first and the plain
+  optimizer is built on its sharded parameters;
+* stage 1 keeps Accelerate's DDP; stages 2 and 3 hand Accelerate their own wrapper (for
+  autocast only), so it is not wrapped in DDP on top. Accumulation then runs under the
+  wrapper's ``no_sync`` (Accelerate calls it);
+* ``max_grad_norm`` clips by the global norm and the logged ``grad_norm`` is the global
+  one (Note [clipping sharded gradients] in :mod:`shardopt.integrations.lightning`);
+* checkpoints hold the full model and a plain, consolidated optimizer state (stage 3: the
+  full, name-keyed one), and ``resume_from_checkpoint`` loads them;
+* unused dataset columns are dropped by the inner model's ``forward`` signature, not the
+  wrapper's ``forward(*inputs, **kwargs)``;
+* after ``train()`` the model is plain again (stage 3 gathers its full parameters).
+
+Note [Accelerate reads the optimizer's state dict]
+``accelerator.prepare(optimizer)`` wraps it in an ``AcceleratedOptimizer`` that calls
+``optimizer.state_dict()`` at once (to move the state to the device) and loads it back.
+``OSS.state_dict()`` needs a consolidation first, a collective, so the mixin consolidates
+on every rank right after building the optimizer; for a new optimizer that state is empty
+and the exchange is a few bytes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+from shardopt import comm
+from shardopt.integrations.convert import rebind_scheduler, release, to_oss
+from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
+from shardopt.optim import OSS, ShardedGradScaler
+
+__all__ = ["ShardedTrainer", "ShardedTrainerMixin", "Sharding", "clip_in_module_order"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Which ZeRO stage a :class:`ShardedTrainer` trains with, and its wrappers' options.
+
+    Attributes:
+        stage: 1 (DDP + OSS), 2 (ShardedDataParallel + OSS) or 3 (FullyShardedDataParallel).
+        oss_kwargs: extra :class:`~shardopt.optim.OSS` arguments (stages 1, 2).
+        wrapper_kwargs: extra ShardedDataParallel (stage 2) or FullyShardedDataParallel
+            (stage 3) arguments, e.g. ``{"auto_wrap_policy": ModuleClassPolicy((Block,))}``.
+
+    Raises:
+        ValueError: ``stage`` is not 1, 2 or 3, or wrapper options for stage 1.
+    """
+
+    stage: int = 2
+    oss_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    wrapper_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"Sharding(stage={self.stage!r}): stage must be 1, 2 or 3")
+        if self.stage == 1 and self.wrapper_kwargs:
+            raise ValueError("Sharding(stage=1) uses Accelerate's DDP; wrapper_kwargs are for stages 2 and 3")
+        if self.stage == 3 and self.oss_kwargs:
+            raise ValueError("Sharding(stage=3) shards with FullyShardedDataParallel; oss_kwargs are for stages 1, 2")
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer under Accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
+    while isinstance(getattr(optimizer, "optimizer", None), Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    """The model under any DDP, ShardedDataParallel or FullyShardedDataParallel wrappers."""
+    while isinstance(module, (nn.parallel.DistributedDataParallel, ShardedDataParallel, FullyShardedDataParallel)):
+        module = module.module
+    return module
+
+
+if TYPE_CHECKING:  # the mixin is checked as the Trainer it is mixed into
+    _Base = Trainer
+else:
+    _Base = object
+
+
+class ShardedTrainerMixin(_Base):
+    """Train a ``transformers.Trainer`` with ZeRO-1/2/3 (see the module docstring).
+
+    Args:
+        *args: the ``Trainer``'s arguments.
+        sharding: the stage and wrapper options (default: ``Sharding(stage=2)``).
+        **kwargs: the ``Trainer``'s keyword arguments.
+
+    Raises:
+        ValueError: the ``TrainingArguments`` ask for DeepSpeed or Accelerate's FSDP too.
+    """
+
+    def __init__(self, *args: Any, sharding: Sharding | None = None, **kwargs: Any) -> None:
+        self.sharding = sharding or Sharding()
+        self._root: FullyShardedDataParallel | None = None
+        self._wrapper: nn.Module | None = None
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "ShardedTrainer shards with shardopt; remove deepspeed=/fsdp= from TrainingArguments "
+                "(choose the stage with sharding=Sharding(stage=...))"
+            )
+
+    # ------------------------------------------------------------------ setup
+    def create_accelerator_and_postprocess(self) -> None:
+        """Accelerate's setup, with its fp16 ``GradScaler`` replaced by a ShardedGradScaler
+        (an inf/nan in one rank's shard makes every rank skip the step)."""
+        super().create_accelerator_and_postprocess()
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            self.accelerator.scaler = ShardedGradScaler(
+                init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+                backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
+                enabled=scaler.is_enabled(), device=self.args.device.type,
+            )
+
+    def _plain_model(self) -> nn.Module:
+        assert self.model is not None, "the Trainer was built without a model"
+        return self.model
+
+    def _fsdp_root(self) -> FullyShardedDataParallel:
+        if self._root is None:
+            self._root = FullyShardedDataParallel(self._plain_model(), **self.sharding.wrapper_kwargs)
+        return self._root
+
+    def _oss(self) -> OSS:
+        optimizer = _inner_optimizer(self.optimizer)
+        assert isinstance(optimizer, OSS), f"stage {self.sharding.stage} builds an OSS, found {type(optimizer)}"
+        return optimizer
+
+    def create_optimizer(self, model: nn.Module | None = None) -> Optimizer:
+        """The Trainer's optimizer, sharded.
+
+        Stages 1 and 2 rebuild it as OSS (rebinding a scheduler passed in ``optimizers=``)
+        and consolidate its state on every rank (Note [Accelerate reads the optimizer's
+        state dict]). Stage 3 wraps the model first, so the optimizer is built on the
+        sharded parameters (their names, which decide weight decay, are unchanged).
+
+        Raises:
+            TypeError: stage 3 was given an OSS.
+            ValueError: the optimizer cannot be sharded (see ``to_oss``).
+        """
+        if self.sharding.stage == 3:
+            self._fsdp_root()
+            optimizer = super().create_optimizer(self.model)
+            if isinstance(_inner_optimizer(optimizer), OSS):
+                raise TypeError("Sharding(stage=3) shards the optimizer state itself; pass a plain torch.optim "
+                                "optimizer, not an OSS")
+            return optimizer
+        optimizer = _inner_optimizer(super().create_optimizer(model))
+        if not isinstance(optimizer, OSS):
+            oss = to_oss(optimizer, **self.sharding.oss_kwargs)
+            if self.lr_scheduler is not None:
+                rebind_scheduler(self.lr_scheduler, optimizer, oss)
+            self.optimizer = optimizer = oss
+        optimizer.consolidate_state_dict(recipient_rank=-1)  # Note [Accelerate reads the optimizer's state dict]
+        return optimizer
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """Stage 2/3: the ShardedDataParallel / FullyShardedDataParallel wrapper, prepared by
+        Accelerate for autocast only (no DDP on top). Stage 1: the Trainer's (DDP)."""
+        if self._wrapper is not None:
+            return self._wrapper
+        if self.sharding.stage == 1 or not training:
+            return super()._wrap_model(model, training, dataloader)
+        if self.sharding.stage == 3:
+            wrapper: nn.Module = self._fsdp_root()
+        else:
+            wrapper = ShardedDataParallel(self._plain_model(), self._oss(), **self.sharding.wrapper_kwargs)
+        self._wrapper = self.accelerator.prepare_model(wrapper, device_placement=False, evaluation_mode=True)
+        return self._wrapper
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """Keep the dataset columns the inner model's ``forward`` takes (and the labels)."""
+        inner = _innermost(self._plain_model())
+        if self._signature_columns is None and inner is not self.model:
+            columns = [*inspect.signature(inner.forward).parameters, *{"label", "label_ids", *self.label_names}]
+            self._signature_columns = columns  # type: ignore[assignment]
+        super()._set_signature_columns_if_needed()
+
+    # ------------------------------------------------------------------ clipping
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """Clip by the global norm of the full gradients; returns it (what is logged).
+
+        Stage 1 holds full gradients after DDP, so the Trainer's own clipping is right.
+        """
+        if self.sharding.stage == 1:
+            return super()._clip_grad_norm(model)
+        return self._global_norm(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        """The global gradient norm (computed without clipping when none was clipped)."""
+        if self.sharding.stage == 1 or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm)
+        return self._global_norm(float("inf"))
+
+    def _global_norm(self, max_norm: float) -> torch.Tensor:
+        self.accelerator.unscale_gradients()  # fp16: clip the true gradients (no-op otherwise)
+        if self._root is not None:
+            return self._root.clip_grad_norm_(max_norm)
+        return clip_in_module_order(self._oss(), list(self._plain_model().parameters()), max_norm)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """Stage 3: gather the full state dict (every rank calls this) for rank 0 to write."""
+        if self._root is not None and state_dict is None:
+            state_dict = self._root.state_dict(rank0_only=True)
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Write a plain optimizer state: OSS consolidated on rank 0; stage 3 the full,
+        name-keyed state (``FullyShardedDataParallel.full_optim_state_dict``)."""
+        if self._root is None:
+            self._oss().consolidate_state_dict(recipient_rank=0)
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        full = FullyShardedDataParallel.full_optim_state_dict(self._root, _inner_optimizer(self.optimizer))
+        super()._save_optimizer_and_scheduler(output_dir)  # the scheduler (and this rank's shard, replaced next)
+        if self.args.should_save:
+            torch.save(full, os.path.join(output_dir, OPTIMIZER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Stage 3: reshard the full optimizer state onto this rank's slices."""
+        if self._root is None or checkpoint is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        optimizer = _inner_optimizer(self.optimizer)
+        full = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(FullyShardedDataParallel.shard_full_optim_state_dict(full, self._root, optimizer))
+        assert self.lr_scheduler is not None, "the Trainer builds its scheduler before loading a checkpoint"
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Stage 3 after training: load the full weights through ``summon_full_params``."""
+        if self._root is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        with self._root.summon_full_params(writeback=True):
+            super()._load_from_checkpoint(resume_from_checkpoint, self.model)
+
+    # ------------------------------------------------------------------ teardown
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; afterwards the model is plain (stage 3: full parameters, in new
+        ``nn.Parameter`` objects; the optimizer and scheduler are rebuilt by the next
+        ``train()``). A collective; after an exception the model stays wrapped."""
+        result = super().train(*args, **kwargs)
+        self._unwrap()
+        return result
+
+    def _unwrap(self) -> None:
+        if isinstance(self._wrapper, ShardedDataParallel):
+            self._wrapper.close()
+        if self._root is not None:
+            release(self._root)
+            self.optimizer, self.lr_scheduler = None, None
+        self._root = self._wrapper = None
+        self.model_wrapped = self._plain_model()
+
+
+def clip_in_module_order(oss: OSS, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``OSS.clip_grad_norm`` (L2) with the per-parameter norms combined in ``params``' order.
+
+    The Trainer clips DDP's gradients with ``clip_grad_norm_(model.parameters())``, which
+    stacks the per-tensor norms in module order; ``OSS.clip_grad_norm`` stacks them in the
+    optimizer's order (the Trainer's decay group first), which can change the last bit of
+    the total. How it works: each owner takes the norm of each gradient it holds (torch's
+    per-tensor kernel), one all-reduce gathers them into a vector in ``params``' order,
+    every rank takes the same norm of that vector and scales the gradients it owns.
+
+    Args:
+        oss: the optimizer over the parameters (decides who owns which gradient).
+        params: the model's parameters in module order (each once).
+        max_norm: the largest allowed total norm.
+
+    Returns:
+        The total norm before clipping.
+    """
+    index = {p: i for i, p in enumerate(oss.params)}
+    counted = [p for p in params if p in index]
+    mine = [(j, p.grad) for j, p in enumerate(counted) if p.grad is not None and oss.owns(index[p])]
+    device = counted[0].device if counted else torch.device("cpu")
+    exchange = torch.zeros(2 * len(counted), dtype=torch.float32, device=device)
+    by_kind: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+    for j, grad in mine:
+        by_kind.setdefault((str(grad.device), grad.dtype), []).append((j, grad.detach()))
+    for entries in by_kind.values():
+        for (j, _), norm in zip(entries, torch._foreach_norm([g for _, g in entries], 2.0)):
+            exchange[j] = norm.to(device)
+            exchange[len(counted) + j] = 1
+    comm.all_reduce(exchange, oss.group, op="sum", label="shardopt::hf::clip_grad_norm").wait()
+    present = exchange[len(counted):] > 0
+    total = torch.linalg.vector_norm(exchange[: len(counted)][present], 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for _, grad in mine:
+        grad.detach().mul_(coef.to(grad.device, grad.dtype))
+    return total
+
+
+class ShardedTrainer(ShardedTrainerMixin, Trainer):
+    """``transformers.Trainer`` training with shardopt's ZeRO-1/2/3; see
+    :class:`ShardedTrainerMixin` and the module docstring."""
