@@ -26,7 +26,7 @@ from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel  # noqa: E
 from shardopt.nn.fsdp import ModuleClassPolicy  # noqa: E402
 from shardopt.optim import OSS  # noqa: E402
 from shardopt.testing import run_ranks  # noqa: E402
-from tests.common import max_abs_diff  # noqa: E402
+from tests.helpers.data import max_abs_diff  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

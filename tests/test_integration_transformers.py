@@ -23,7 +23,7 @@ from shardopt.integrations.transformers import ShardedTrainer, Sharding  # noqa:
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel  # noqa: E402
 from shardopt.nn.fsdp import ModuleClassPolicy  # noqa: E402
 from shardopt.testing import run_ranks  # noqa: E402
-from tests.common import max_abs_diff  # noqa: E402
+from tests.helpers.data import max_abs_diff  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

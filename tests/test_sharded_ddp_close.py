@@ -3,13 +3,16 @@ training through a closed wrapper is refused."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
-from tests.common import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 
 def _close(rank: int, world_size: int) -> dict[str, object]:
