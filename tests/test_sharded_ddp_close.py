@@ -72,3 +72,45 @@ def test_close_leaves_a_plain_module_and_refuses_training_through_the_wrapper() 
         assert out["eval_forward"] == (6, 4)
         assert "refresh_trainable() on a closed ShardedDataParallel" in str(out["refresh"])
         assert "close() was called while gradients are being reduced" in str(out["in_backward"])
+
+
+class _Named(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = seeded_mlp()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.net(input_ids)
+
+
+def _surface(rank: int, world_size: int) -> dict[str, object]:
+    import inspect
+
+    module = _Named()
+    opt = OSS(module.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(module, opt)
+    out: dict[str, object] = {
+        "signature": list(inspect.signature(sdp.forward).parameters),
+        "ddp_attrs": (sdp.device_type, sdp.is_multi_device_module, sdp.device_ids, sdp.require_backward_grad_sync),
+    }
+    with sdp.no_sync():
+        out["in_no_sync"] = sdp.require_backward_grad_sync
+    # a gradient that requires grad (create_graph left it) is refused at the next training forward
+    sdp(rank_batch(rank, 0)).sum().backward()
+    opt.step()
+    first = next(module.parameters())
+    first.grad = torch.zeros_like(first).requires_grad_()
+    try:
+        sdp(rank_batch(rank, 1))
+        out["refused"] = ""
+    except RuntimeError as exc:
+        out["refused"] = str(exc)
+    sdp.close()
+    return out
+
+
+def test_wrapper_shows_the_module_signature_ddp_attributes_and_refuses_grads_that_require_grad() -> None:
+    for out in run_ranks(_surface, 2):
+        assert out["signature"] == ["input_ids", "labels"], out
+        assert out["ddp_attrs"] == ("cpu", False, None, True) and out["in_no_sync"] is False, out
+        assert "parameter 'net.0.weight' holds a gradient that requires grad" in str(out["refused"]), out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 import weakref
@@ -155,6 +156,7 @@ class ShardedDataParallel(nn.Module):
         if sync_models_at_startup:
             self._sync_params_and_buffers()
         self._setup()
+        self._expose_forward_signature()
 
     # ------------------------------------------------------------------ setup
 
@@ -260,6 +262,7 @@ class ShardedDataParallel(nn.Module):
         if self.module.training:
             self._check_open("a training forward")
             self._check_trainability()
+            self._check_grads_are_leaves()
             if self.broadcast_buffers:
                 self.sync_buffers(blocking=True)
         return self.module(*inputs, **kwargs)
@@ -300,6 +303,48 @@ class ShardedDataParallel(nn.Module):
                 f"[rank {self.rank}] {what} on a closed ShardedDataParallel: its gradient hooks were removed by "
                 "close(), so gradients would not be reduced; train the module through a new ShardedDataParallel"
             )
+
+    def _expose_forward_signature(self) -> None:
+        """Let ``inspect.signature(wrapper.forward)`` show the wrapped module's forward (the
+        Hugging Face Trainer drops dataset columns the forward does not name)."""
+        wrapper = self
+
+        def forward(*inputs: Any, **kwargs: Any) -> Any:
+            return ShardedDataParallel.forward(wrapper, *inputs, **kwargs)
+
+        functools.update_wrapper(forward, self.module.forward)
+        self.__dict__["forward"] = forward
+
+    def _check_grads_are_leaves(self) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None and p.grad.requires_grad:
+                raise RuntimeError(
+                    f"parameter {self._name_of(p)!r} holds a gradient that requires grad (left by "
+                    "backward(create_graph=True) or autograd.grad into .grad); ShardedDataParallel reduces plain "
+                    "gradients only: call optimizer.zero_grad(set_to_none=True) or detach the gradient first"
+                )
+
+    # DDP's read-only surface, for code written against DistributedDataParallel.
+    @property
+    def device_type(self) -> str:
+        """The device type of the parameters (``"cpu"`` or ``"cuda"``), as DDP's."""
+        return next(self.module.parameters()).device.type
+
+    @property
+    def is_multi_device_module(self) -> bool:
+        """Always False: every parameter lives on one device type (checked at construction)."""
+        return False
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """As DDP's: the single CUDA device of the module, or ``None`` on CPU."""
+        device = next(self.module.parameters()).device
+        return [device.index] if device.type == "cuda" and device.index is not None else None
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether the next backward reduces gradients (False inside :meth:`no_sync`)."""
+        return self._should_sync
 
     def __getattr__(self, name: str) -> Any:
         try:
