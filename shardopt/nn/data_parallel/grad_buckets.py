@@ -188,6 +188,11 @@ class GradBucket:
         self.state = state
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the send buffer (what the bucket holds while in flight)."""
+        return self.spec.numel * self.spec.wire_dtype.itemsize
+
+    @property
     def complete(self) -> bool:
         """Every parameter of the bucket has its gradient copied in."""
         return len(self._filled) == len(self.spec.params)
