@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import math
 from typing import Any
 
 import torch
@@ -13,7 +13,26 @@ from shardopt.optim.oss import OSS
 
 __all__ = ["ShardedGradScaler"]
 
-logger = logging.getLogger(__name__)
+
+def _check_scaler_args(init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> None:
+    """torch's GradScaler accepts values that silently ruin training (a scale of 0 turns every
+    gradient into 0 * inf = NaN); refuse them here, naming the argument."""
+    def real(name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}; e.g. {name}=2.0")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        return float(value)
+
+    if real("init_scale", init_scale) <= 0:
+        raise ValueError(f"init_scale must be > 0, got {init_scale!r} (a scale of 0 turns gradients into NaN); "
+                         "use the default 2.0**16")
+    if real("growth_factor", growth_factor) <= 1:
+        raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}; use the default 2.0")
+    if not 0 < real("backoff_factor", backoff_factor) < 1:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}; use the default 0.5")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1 (steps), got {growth_interval!r}; use the default 2000")
 
 
 class ShardedGradScaler(GradScaler):
@@ -43,7 +62,10 @@ class ShardedGradScaler(GradScaler):
             the device type of the gradients.
 
     Raises:
-        ValueError: ``device`` is not a known device type.
+        ValueError: ``device`` is not a known device type, or a scaling argument is out of
+            range (``init_scale <= 0``, ``growth_factor <= 1``, ``backoff_factor`` outside
+            (0, 1), ``growth_interval < 1``).
+        TypeError: a scaling argument is not a real number.
     """
 
     def __init__(
@@ -60,6 +82,7 @@ class ShardedGradScaler(GradScaler):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia"):
             raise ValueError(f"device must be a device type such as 'cpu' or 'cuda', got {device!r}")
+        _check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
         super().__init__(
             device=device,
             init_scale=init_scale,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -28,12 +27,11 @@ import torch
 from torch.optim import SGD, Optimizer
 
 from shardopt import comm
+from shardopt.agreement import check_agreement
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
 from shardopt.partition import Partition, partition_by_size
 
 __all__ = ["OSS"]
-
-logger = logging.getLogger(__name__)
 
 _warned: set[str] = set()
 
@@ -165,7 +163,12 @@ class OSS(Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self._consolidated: dict[str, Any] | None = None
         self._parked: StateByIndex = {}
+        if any(p.is_meta for p in self.params):
+            raise ValueError("OSS got parameters on the meta device, with no values to optimize: materialise the "
+                             "model first (module.to_empty(device=...), then re-initialise it)")
         self._check_same_params_on_all_ranks()
+        check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__)], group,
+                        "pass the same OSS arguments on every rank")  # Note [agree before the first collective]
         self._repartition(migrate=False)
         self.defaults = dict(self.optim.defaults)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import warnings
 import weakref
 from collections import deque
@@ -15,13 +14,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from shardopt import comm
+from shardopt import clipping, comm
+from shardopt.agreement import check_agreement
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
 from shardopt.optim.oss import OSS
 
 __all__ = ["ShardedDataParallel"]
-
-logger = logging.getLogger(__name__)
 
 # Note [reductions in flight]
 # Reductions stay in flight until their bytes pass two default buckets' worth (2 x 2**23
@@ -139,6 +137,12 @@ class ShardedDataParallel(nn.Module):
                 f"module has parameters on several device types {sorted(device_types)}; "
                 "ShardedDataParallel needs them on one: move the model with module.to(device) first"
             )
+        meta = [n for n, p in module.named_parameters() if p.is_meta]
+        if meta:
+            raise ValueError(
+                f"module parameter {meta[0]!r} is on the meta device: ShardedDataParallel needs real values; "
+                "materialise the model first (module.to_empty(device=...) and re-initialise it)"
+            )
         self.module = module
         self.sharded_optimizers: list[OSS] = list(optimizers)
         self.process_group = process_group if process_group is not None else optimizers[0].group
@@ -172,10 +176,20 @@ class ShardedDataParallel(nn.Module):
         self._written: dict[nn.Parameter, weakref.ref[torch.Tensor]] = {}
         self._local_pending: set[nn.Parameter] = set()
         self._closed = False
+        # Note [agree before the first collective] in shardopt.agreement
+        check_agreement("ShardedDataParallel", [
+            ("reduce_buffer_size", reduce_buffer_size),
+            ("reduce dtype", {str(k): str(v) for k, v in self._wire_dtypes.items()}),
+            ("broadcast_buffers", broadcast_buffers), ("sync_models_at_startup", sync_models_at_startup),
+            ("parameters", [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]),
+            ("buffers", [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]),
+        ], self.process_group, "pass the same model and ShardedDataParallel arguments on every rank")
         if sync_models_at_startup:
             self._sync_params_and_buffers()
         self._setup()
         self._expose_forward_signature()
+        if self.world_size > 1:  # Note [clipping that bypasses the wrapper] in shardopt.clipping
+            clipping.register_sharded(module.parameters(), "OSS.clip_grad_norm")
 
     # ------------------------------------------------------------------ setup
 
@@ -302,6 +316,7 @@ class ShardedDataParallel(nn.Module):
                 f"[rank {self.rank}] close() was called while gradients are being reduced; "
                 "call it between iterations (after optimizer.step())"
             )
+        clipping.unregister(self.module.parameters())
         self._remove_hooks()
         self._accumulators = []
         for param, kept in self._set_aside.items():  # Note [owner's gradient across backward passes]

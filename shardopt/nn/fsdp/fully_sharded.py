@@ -20,11 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardopt import comm
+from shardopt import clipping, comm
 from shardopt.nn.fsdp import grad_norm, optim_state_dict
 from shardopt.nn.fsdp.context import StepContext
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
-from shardopt.nn.fsdp.materialize import materialize
+from shardopt.agreement import check_agreement
+from shardopt.nn.fsdp.materialize import check_sparse, materialize
 from shardopt.nn.fsdp.options import (
     BackwardPrefetch,
     MixedPrecision,
@@ -115,6 +116,21 @@ class FullyShardedDataParallel(nn.Module):
         )
         ignored = {id(m) for top in (ignored_modules or ()) for m in top.modules()}
         materialize(module, param_init_fn)
+        check_sparse(module)
+        # Note [agree before the first collective] in shardopt.agreement: a rank whose
+        # parameters are registered in another order would fill the flat layout differently.
+        for size, agreeing in ((config.shard_size, config.shard_group),
+                               (config.replicate_size, config.replicate_group)):
+            if size == 1:
+                continue
+            check_agreement("FullyShardedDataParallel", [
+                ("sharding_strategy", config.strategy.name), ("mixed_precision", config.mixed_precision),
+                ("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch),
+                ("limit_all_gathers", limit_all_gathers), ("sync_module_states", sync_module_states),
+                ("auto_wrap_policy", type(auto_wrap_policy).__qualname__),
+                ("parameters (name, shape, dtype) in registration order",  # not those of units built before
+                 [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters() if owner_of(p) is None]),
+            ], agreeing, "build the same model, in the same order, with the same FSDP arguments on every rank")
         if sync_module_states:
             # From rank 0 of the shard group, then from rank 0 of the replica group: every rank
             # of the model's groups ends with the values of the first rank of the first group.
@@ -137,6 +153,8 @@ class FullyShardedDataParallel(nn.Module):
                     child, name, config, excluded, ignored),
             )
         self._setup(module, "", config, set(), ignored)
+        if config.shard_size > 1:  # Note [clipping that bypasses the wrapper] in shardopt.clipping
+            clipping.register_sharded(self.parameters(), "FullyShardedDataParallel.clip_grad_norm_")
 
     @classmethod
     def _nested(cls, module: nn.Module, name: str, config: UnitConfig, excluded: set[int],

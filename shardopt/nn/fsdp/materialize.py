@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 
-__all__ = ["materialize"]
+__all__ = ["check_sparse", "materialize"]
 
 
 def materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> None:
@@ -63,3 +63,20 @@ def materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | 
             "param_init_fn must materialise every parameter and buffer (e.g. module.to_empty(device=...) then "
             "initialise), or give each submodule a reset_parameters()"
         )
+
+
+def check_sparse(module: nn.Module) -> None:
+    """Refuse modules whose trainable parameters would get sparse gradients (they cannot be
+    flattened into a unit's gradient buffer).
+
+    Raises:
+        TypeError: names the module and the fix.
+    """
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise TypeError(
+                f"module {name or type(sub).__name__!r} ({type(sub).__name__}) has sparse=True: "
+                "FullyShardedDataParallel reduces dense gradients only; build it with sparse=False "
+                "(and a dense optimizer such as torch.optim.Adam instead of SparseAdam)"
+            )
+

@@ -1,0 +1,57 @@
+"""Construction-time agreement across ranks on what shapes the collectives.
+
+Note [agree before the first collective]
+Every wrapper issues collectives whose count, sizes and order follow from its parameters and
+its settings (bucket size, reduce dtype, ``broadcast_fp16``, sharding strategy, mixed
+precision, prefetching). If one rank differs, gloo matches calls of different sizes: a rank
+aborts inside gloo (SIGABRT, no Python error) or, worse, two same-sized but different
+layouts meet and the model trains wrong without a word (an FSDP unit whose parameters are
+registered in another order on one rank). So each wrapper describes those inputs as a list
+of named entries and :func:`check_agreement` compares them across ranks once, at
+construction: one object all-gather of a digest, and only on a mismatch a second one of the
+entries, to name the first one that differs and the rank that has it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from shardopt import comm
+
+__all__ = ["check_agreement"]
+
+
+def check_agreement(what: str, entries: Sequence[tuple[str, Any]], group: comm.ProcessGroup | None,
+                    fix: str) -> None:
+    """Raise on every rank unless every rank of ``group`` passed equal ``entries``.
+
+    Args:
+        what: the object being built, for the message (e.g. ``"ShardedDataParallel"``).
+        entries: ``(name, value)`` pairs, in order; values must have a stable ``repr``.
+        group: the ranks that must agree.
+        fix: what the user should do, appended to the message.
+
+    Raises:
+        ValueError: the first entry that differs, its value on group rank 0 and on the
+            first rank that differs (or the entry counts).
+    """
+    if comm.group_size(group) == 1:
+        return
+    described = [(name, repr(value)) for name, value in entries]
+    digest = hashlib.sha256(repr(described).encode()).hexdigest()
+    digests = comm.all_gather_object(digest, group)
+    if len(set(digests)) == 1:
+        return
+    everyone = comm.all_gather_object(described, group)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    mine, theirs = everyone[0], everyone[other]
+    for (name, a), (name_b, b) in zip(mine, theirs):
+        if (name, a) != (name_b, b):
+            detail = (f"{name} is {a} on rank 0 but {b} on rank {other}" if name == name_b else
+                      f"entry {name!r} on rank 0 is {name_b!r} on rank {other}")
+            break
+    else:
+        detail = f"rank 0 has {len(mine)} entries, rank {other} has {len(theirs)}"
+    raise ValueError(f"{what} was built differently on different ranks: {detail}; {fix}")
