@@ -17,14 +17,22 @@ name-keyed optimizer state). Anything else goes through torch's own
 ``torch.distributed.checkpoint.state_dict`` helpers.
 
 Note [checkpoint integrity]
-Every tensor record carries a CRC-32 of its bytes, computed when it is saved and verified
-when it is loaded: a consolidated file checks every model and optimizer tensor; a sharded
-folder checks its metadata file and, for OSS, every tensor entry (each state entry is
-written whole by its owner, the replicated model tensors by rank 0); ``ShardedTensor`` and
-``DTensor`` pieces (ZeRO-3, FSDP2) and DDP's plain state rely on dcp alone.
+Every record carries a CRC-32, computed when it is saved and verified when it is loaded: a
+tensor's bytes, or the ``repr`` of a plain value (number, string, bool, None). A
+consolidated file checks every model, optimizer and ``extra`` record (hyperparameters and
+step counters included). A sharded folder checks its metadata file as a whole (which holds
+the hyperparameters, non-tensor state and ``extra``) and, for OSS, every tensor it writes:
+each optimizer entry is written whole by its owner and the replicated model tensors once,
+so what a load reads is byte-identical to what was saved at any world size; each rank
+checks what it read and the ranks agree before any of them changes anything.
+``ShardedTensor`` and ``DTensor`` pieces (ZeRO-3, FSDP2) and DDP's plain state are resliced
+at another world size, so they rely on dcp alone. CRC-32 (zlib) finds flipped bits and torn
+writes at memory speed; it is not a defence against deliberate tampering.
 A load first reads and checks everything (names, shapes, checksums, optimizer groups and
 state shapes) and only then changes the model and the optimizer, so a failed load leaves
-both as they were. Files written before checksums existed (format ``/1``) still load.
+both as they were (a ZeRO-3 load reads into the live shards after dcp has checked every
+size). Files written in formats ``/1`` (no checksums) and ``/2`` (tensor checksums only,
+no group sizes) still load, with the checks their records allow.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import pickle
 import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,6 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 from shardopt import comm, failures
 from shardopt.failures import CollectiveError
 from shardopt.files import atomic_write, fsync_dir
+from shardopt.optim.oss import state_fits
 
 __all__ = [
     "ShardedModel",
@@ -69,10 +78,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CONSOLIDATED_FORMAT = "shardopt.consolidated/2"
-SHARDED_FORMAT = "shardopt.sharded/2"
-_OLD_FORMATS = {"shardopt.consolidated/1", "shardopt.sharded/1"}
+CONSOLIDATED_FORMAT = "shardopt.consolidated/3"
+SHARDED_FORMAT = "shardopt.sharded/3"
+_OLD_FORMATS = {"shardopt.consolidated/1", "shardopt.sharded/1", "shardopt.consolidated/2", "shardopt.sharded/2"}
 _META_FILE = "shardopt_meta.pt"
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 # Note [sharded optimizer layout]
 # An OSS rank holds the state of the parameters it owns, frozen ones included. Its entries
@@ -130,12 +140,20 @@ class ShardedModel(Protocol):
 
 
 @contextmanager
-def _named_failures(label: str) -> Iterator[None]:
+def _named_failures(label: str, reading: str | None = None) -> Iterator[None]:
     """dcp's own collectives: a peer that failed or died is named like in shardopt's own
-    (Note [failure board] in :mod:`shardopt.failures`)."""
+    (Note [failure board] in :mod:`shardopt.failures`). While ``reading`` a folder, a step
+    that failed on some rank (dcp raises that on every rank) is a damaged or foreign folder:
+    a ``ValueError`` naming it (``CheckpointException`` is no ``Exception``)."""
     try:
         yield
     except (RuntimeError, CheckpointException) as exc:
+        if reading is not None and isinstance(exc, CheckpointException) and exc.failures:
+            rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
+            text = (str(cause).strip().splitlines() or [""])[0]
+            raise ValueError(f"checkpoint {reading!r} cannot be read: rank {rank} failed with "
+                             f"{type(cause).__name__}: {text}; the folder is damaged or holds another model: "
+                             "restore it from a backup or an earlier checkpoint") from exc
         if isinstance(exc, CollectiveError) or not (dist.is_available() and dist.is_initialized()):
             raise
         raise failures.collective_error(label, exc) from exc
@@ -162,26 +180,31 @@ def _crc(tensor: torch.Tensor) -> int:
     return zlib.crc32(data.tobytes()) & 0xFFFFFFFF
 
 
-def _checksums(obj: Any, prefix: str = "") -> dict[str, int]:
-    """CRC-32 of every plain tensor inside ``obj`` (dicts, lists, tuples), keyed by path."""
+def _checksums(obj: Any, prefix: str = "", values: bool = False) -> dict[str, int]:
+    """CRC-32 of every plain tensor inside ``obj`` (dicts, lists, tuples), keyed by path; with
+    ``values``, of every plain value's ``repr`` too (exact for floats, the same in every process)."""
     out: dict[str, int] = {}
     if isinstance(obj, torch.Tensor):
         if type(obj) is torch.Tensor or isinstance(obj, nn.Parameter):
             out[prefix] = _crc(obj)
+    elif values and isinstance(obj, _PLAIN):
+        out[prefix] = zlib.crc32(repr(obj).encode()) & 0xFFFFFFFF
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            out.update(_checksums(value, f"{prefix}/{key}"))
+            out.update(_checksums(value, f"{prefix}/{key}", values))
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            out.update(_checksums(value, f"{prefix}/{i}"))
+            out.update(_checksums(value, f"{prefix}/{i}", values))
     return out
 
 
 def _verify(where: str, saved: Mapping[str, int], loaded: Mapping[str, int]) -> None:
+    """Compare the records read (``loaded``) with the checksums saved for them."""
     bad = [k for k, crc in saved.items() if k in loaded and loaded[k] != crc]
     if bad:
         raise ValueError(f"checkpoint {where} is corrupted: {len(bad)} record(s) fail their checksum, first "
-                         f"{bad[0].lstrip('/')!r}; restore it from a backup or an earlier checkpoint")
+                         f"{bad[0].lstrip('/')!r}; restore it from a backup or an earlier checkpoint. "
+                         "Nothing was loaded")
 
 
 def _meta_crc(meta: Mapping[str, Any]) -> int:
@@ -191,12 +214,18 @@ def _meta_crc(meta: Mapping[str, Any]) -> int:
 # ---------------------------------------------------------------------- validation
 
 
-def _check_model_state(where: str, expected: Mapping[str, Any], state: Mapping[str, Any]) -> None:
-    """Names and shapes of ``state`` against the model's own (``expected``), strict."""
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    wrong = [(k, tuple(state[k].shape), tuple(expected[k].shape)) for k in expected
-             if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != expected[k].shape]
+def _shapes(state: Mapping[str, Any]) -> dict[str, torch.Size | None]:
+    """The shape of every tensor of a flat state dict (``None`` for other values)."""
+    return {k: v.shape if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+
+
+def _check_model_state(where: str, expected: Mapping[str, torch.Size | None],
+                       saved: Mapping[str, torch.Size | None]) -> None:
+    """Names and shapes saved against the model's own (``expected``), strict."""
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    wrong = [(k, tuple(a), tuple(b)) for k, b in expected.items()
+             if (a := saved.get(k)) is not None and b is not None and a != b]
     if missing or unexpected or wrong:
         parts = ([f"missing {missing[:5]}"] if missing else []) + ([f"unexpected {unexpected[:5]}"] if unexpected else [])
         parts += [f"{k!r} has shape {a} in the checkpoint but {b} in the model" for k, a, b in wrong[:3]]
@@ -209,6 +238,7 @@ def _check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: An
     """Groups, parameter counts and per-parameter state shapes, before anything is loaded.
 
     ``shapes`` are the parameters' full shapes, by index (state keyed by index) or by name.
+    State shapes follow :func:`shardopt.optim.oss.state_fits` (element-wise or factored).
     """
     groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
     if not isinstance(groups, (list, tuple)) or not isinstance(osd.get("state"), Mapping):
@@ -227,11 +257,12 @@ def _check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: An
                              "the file is inconsistent. Nothing was loaded")
         shape = shapes[key] if isinstance(shapes, Mapping) else shapes[position[key]]
         for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shape:
+            if not state_fits(value, shape):
                 raise ValueError(
                     f"checkpoint {where}: optimizer state {name!r} of parameter {key!r} has shape "
-                    f"{tuple(value.shape)} but the parameter has {tuple(shape)}; the optimizer state belongs to "
-                    "another model. Nothing was loaded")
+                    f"{tuple(value.shape)} in the checkpoint but the parameter has {tuple(shape)}; the optimizer "
+                    "state belongs to another model or parameter order: build the optimizer over the same "
+                    "parameters in the same order. Nothing was loaded")
 
 
 def check_writable(path: str, sharded: bool) -> None:
@@ -242,8 +273,9 @@ def check_writable(path: str, sharded: bool) -> None:
         sharded: whether a folder will be written.
 
     Raises:
-        ValueError: a file where a folder is needed or the reverse, a folder that is not a
-            shardopt checkpoint, or a parent folder where files cannot be created.
+        ValueError: a file where a folder is needed or the reverse (the path itself or one
+            of its parents), a non-empty folder that is not a shardopt checkpoint, or a
+            parent folder where files cannot be created.
     """
     path = os.path.abspath(path)
     if sharded and os.path.exists(path) and not os.path.isdir(path):
@@ -258,6 +290,9 @@ def check_writable(path: str, sharded: bool) -> None:
     parent = os.path.dirname(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"checkpoint path {path!r} cannot be created: {parent!r} is a file, not a folder: the "
+                         "checkpoint cannot be created under it; pick another path")
     try:  # a real probe: access() says yes to root even where nothing can be created
         with tempfile.TemporaryFile(dir=parent):
             pass
@@ -303,9 +338,12 @@ def save_consolidated(
     elif optimizer is not None:
         optim_state = optimizer.state_dict()
     if _rank() == 0:
+        extra_state = dict(extra or {})
         blob = {"format": CONSOLIDATED_FORMAT, "model": model_state, "optimizer": optim_state,
-                "extra": dict(extra or {}),
-                "checksums": {"model": _checksums(model_state), "optimizer": _checksums(optim_state)}}
+                "extra": extra_state,
+                "checksums": {"model": _checksums(model_state, values=True),
+                              "optimizer": _checksums(optim_state, values=True),
+                              "extra": _checksums(extra_state, values=True)}}
         atomic_write(path, lambda f: torch.save(blob, f))
         logger.info("wrote consolidated checkpoint %s", path)
     _barrier()
@@ -323,9 +361,9 @@ def _read_consolidated(path: str) -> dict[str, Any]:
         raise ValueError(f"{path!r} is not a shardopt consolidated checkpoint (expected format "
                          f"{CONSOLIDATED_FORMAT!r}); was it written by save_sharded? use load_sharded")
     sums = blob.get("checksums")
-    if sums is not None:
-        _verify(repr(path), sums["model"], _checksums(blob["model"]))
-        _verify(repr(path), sums["optimizer"], _checksums(blob["optimizer"]))
+    for part in ("model", "optimizer", "extra"):
+        if sums is not None and part in sums:
+            _verify(repr(path), sums[part], _checksums(blob[part], values=True))
     return blob
 
 
@@ -336,7 +374,9 @@ def load_consolidated(
 
     Every rank reads the file; a :class:`ShardedOptimizer` keeps the state of the
     parameters it owns under the current world size, whatever the world size that saved
-    it. Everything is checked before anything changes (Note [checkpoint integrity]).
+    it. Everything is checked before anything changes (Note [checkpoint integrity]):
+    checksums, parameter names and shapes, optimizer group sizes and state shapes. Files
+    of the older formats ``/1`` (no checksums) and ``/2`` load too.
 
     Args:
         path: the checkpoint file.
@@ -353,7 +393,7 @@ def load_consolidated(
     """
     blob = _read_consolidated(path)
     expected = module.state_dict() if isinstance(module, ShardedModel) else module.state_dict(keep_vars=True)
-    _check_model_state(repr(path), expected, blob["model"])
+    _check_model_state(repr(path), _shapes(expected), _shapes(blob["model"]))
     osd = blob["optimizer"] if optimizer is not None else None
     if osd is not None:
         assert optimizer is not None
@@ -418,16 +458,60 @@ def _encode(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
     return None, {"model": get_model_state_dict(model)}, {}
 
 
+# Note [sharded save staging]
+# dcp writes into a hidden folder next to the target, ".<name>.shardopt-staging"; rank 0
+# writes the metadata file last, then swaps: the previous checkpoint is renamed to
+# ".<name>.shardopt-old", the staging folder to <name>, and the old one is removed. A save
+# that fails removes its staging folder (rank 0, once dcp has gathered every rank's result,
+# so no rank is still writing into it); a killed save cannot, and the next save removes what
+# it left. The names are hidden and shardopt's own, so nothing of the user's next to the
+# target is ever moved or removed (a plain "<name>.tmp" would be). A process killed between
+# the two renames leaves the previous checkpoint under ".<name>.shardopt-old"; load_sharded
+# says so, and the next save replaces it.
+
+
+def _side_paths(path: str) -> tuple[str, str]:
+    """(staging folder, previous checkpoint during the swap) of ``path`` (Note [sharded save staging])."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.shardopt-staging"), os.path.join(directory, f".{name}.shardopt-old")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _swap_in(staging: str, path: str, old: str) -> None:
+    """Replace ``path`` by the finished ``staging`` folder (Note [sharded save staging])."""
+    if os.path.exists(path):
+        _remove(old)  # left by a save killed after its swap
+        os.replace(path, old)
+        try:
+            os.replace(staging, path)
+        except BaseException:
+            os.replace(old, path)
+            raise
+    else:
+        os.replace(staging, path)
+    fsync_dir(os.path.dirname(path))
+    _remove(old)
+
+
 def save_sharded(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any] | None = None
 ) -> None:
     """Write a sharded checkpoint folder with ``torch.distributed.checkpoint``. Call on every rank.
 
-    How it works: the model's state and the optimizer's (Note [sharded optimizer layout])
-    go to ``dcp.save`` in ``<path>.tmp``, where every rank writes only what it holds and
-    replicated tensors are written once; non-tensor values, hyperparameters, checksums
-    (Note [checkpoint integrity]) and ``extra`` go to a metadata file; then rank 0 moves the
-    finished folder to ``path``. A crash mid-save leaves the previous ``path`` untouched.
+    How it works: the model's state and the optimizer's (Note [sharded optimizer layout];
+    OSS includes the parked state of frozen parameters) go to ``dcp.save`` in a hidden
+    staging folder next to ``path``, where every rank writes only what it holds and
+    replicated tensors are written once; non-tensor values, hyperparameters, group sizes,
+    checksums (Note [checkpoint integrity]) and ``extra`` go to a metadata file; then rank 0
+    swaps the finished folder in (Note [sharded save staging]). A failed or killed save
+    leaves the previous ``path`` untouched and no staging folder behind once the next save
+    has run.
 
     Args:
         path: the folder to write (replaced when it is a shardopt checkpoint; must be on a
@@ -438,50 +522,53 @@ def save_sharded(
         extra: small picklable values saved alongside.
 
     Raises:
-        ValueError: ``path`` is a file or a folder that is not a shardopt checkpoint (it is
-            left untouched), or cannot be written.
+        ValueError: ``path`` is a file or a non-empty folder that is not a shardopt
+            checkpoint (it is left untouched), or cannot be written (:func:`check_writable`).
     """
     path = os.path.abspath(path)
     check_writable(path, sharded=True)
-    staging = path + ".tmp"
-    if _rank() == 0 and os.path.exists(staging):
-        shutil.rmtree(staging)  # left by a save that was killed
+    staging, _ = _side_paths(path)
+    if _rank() == 0:
+        _remove(staging)  # left by a save that was killed
     _barrier()
     kind, state, values = _encode(model, optimizer)
-    with _named_failures("shardopt::checkpoint::save"):
-        dcp.save(state, checkpoint_id=staging)
-    sums = _checksums(state.get("optim") if kind == "oss" else None, "/optim")
-    if _rank() == 0:
-        sums.update(_checksums(state["model"], "/model") if kind == "oss" else {})
-    gathered = comm.all_gather_object((values, sums), None) if _world() > 1 else [(values, sums)]
-    if _rank() == 0:
-        meta = {
-            "format": SHARDED_FORMAT, "world_size": _world(), "optim_kind": kind,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            if kind == "oss" and optimizer is not None else None,
-            "optim_values": {k: v for part, _ in gathered for k, v in part.items()},
-            "checksums": {k: v for _, part in gathered for k, v in part.items()},
-            "extra": dict(extra or {}),
-        }
-        meta["meta_crc"] = _meta_crc(meta)
-        atomic_write(os.path.join(staging, _META_FILE), lambda f: torch.save(meta, f))
-        if os.path.exists(path):
-            old = path + ".old"
-            if os.path.exists(old):
-                shutil.rmtree(old)
-            os.replace(path, old)
-            os.replace(staging, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(staging, path)
-        fsync_dir(os.path.dirname(path))
-        logger.info("wrote sharded checkpoint %s", path)
+    try:
+        with _named_failures("shardopt::checkpoint::save"):
+            dcp.save(state, checkpoint_id=staging)
+        sums = _checksums(state.get("optim") if kind == "oss" else None, "/optim")
+        if _rank() == 0:
+            sums.update(_checksums(state["model"], "/model") if kind == "oss" else {})
+        gathered = comm.all_gather_object((values, sums), None) if _world() > 1 else [(values, sums)]
+        if _rank() == 0:
+            oss_groups = kind == "oss" and optimizer is not None
+            meta = {
+                "format": SHARDED_FORMAT, "world_size": _world(), "optim_kind": kind,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+                if oss_groups and optimizer is not None else None,
+                "group_sizes": [len(g["params"]) for g in optimizer.param_groups]
+                if oss_groups and optimizer is not None else None,
+                "optim_values": {k: v for part, _ in gathered for k, v in part.items()},
+                "checksums": {k: v for _, part in gathered for k, v in part.items()},
+                "extra": dict(extra or {}),
+            }
+            meta["meta_crc"] = _meta_crc(meta)
+            atomic_write(os.path.join(staging, _META_FILE), lambda f: torch.save(meta, f))
+            _swap_in(staging, path, _side_paths(path)[1])
+            logger.info("wrote sharded checkpoint %s", path)
+    except BaseException:
+        if _rank() == 0:
+            _remove(staging)
+        raise
     _barrier()
 
 
 def _read_meta(path: str) -> dict[str, Any]:
     meta_path = os.path.join(path, _META_FILE)
     if not os.path.isfile(meta_path):
+        old = _side_paths(path)[1]
+        if not os.path.exists(path) and os.path.isfile(os.path.join(old, _META_FILE)):
+            raise FileNotFoundError(f"no sharded checkpoint at {path!r}: a save was killed while replacing it and "
+                                    f"the previous checkpoint is in {old!r}; rename that folder to {path!r}")
         raise FileNotFoundError(f"no sharded checkpoint at {path!r} (missing {_META_FILE}); save one first "
                                 "with save_sharded")
     try:
@@ -489,8 +576,9 @@ def _read_meta(path: str) -> dict[str, Any]:
     except Exception as exc:
         raise ValueError(f"checkpoint {path!r}: {_META_FILE} cannot be read ({type(exc).__name__}); it is "
                          "corrupted: restore the folder from a backup or an earlier checkpoint") from exc
-    if meta.get("format") not in (SHARDED_FORMAT, *_OLD_FORMATS):
-        raise ValueError(f"{path!r} is not a shardopt sharded checkpoint (format {meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") not in (SHARDED_FORMAT, *_OLD_FORMATS):
+        raise ValueError(f"{path!r} is not a shardopt sharded checkpoint (format "
+                         f"{meta.get('format') if isinstance(meta, dict) else None!r})")
     if "meta_crc" in meta and meta["meta_crc"] != _meta_crc(meta):
         raise ValueError(f"checkpoint {path!r} is corrupted: {_META_FILE} fails its checksum; restore the folder "
                          "from a backup or an earlier checkpoint")
@@ -506,12 +594,69 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+def _saved_tensors(path: str, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of every tensor the folder holds under ``prefix`` (dcp's metadata)."""
+    items = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+    return {key[len(prefix):]: (item.size, item.properties.dtype) for key, item in items
+            if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+
+
+def _check_model_tensors(path: str, state: Mapping[str, Any]) -> None:
+    """The model's tensor names and full shapes against the folder's, before dcp reads."""
+    expected = {k: v.size() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    saved: dict[str, torch.Size | None] = {k: size for k, (size, _) in _saved_tensors(path, "model.").items()}
+    _check_model_state(repr(path), expected, saved)
+
+
+def _check_oss_entries(path: str, optimizer: ShardedOptimizer, meta: Mapping[str, Any],
+                       saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> None:
+    """OSS groups and every saved state entry's shape against the parameters (on every rank
+    the same answer: the folder's metadata is global)."""
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    sizes = meta.get("group_sizes")
+    if sizes is None:  # format /1 or /2: only the number of groups was saved
+        if len(meta["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"checkpoint {path!r} has {len(meta['param_groups'])} optimizer param groups but the "
+                             f"optimizer has {len(optimizer.param_groups)}; build it with the same groups. "
+                             "Nothing was loaded")
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
+    groups, start = [], 0
+    for size in sizes:
+        groups.append({"params": list(range(start, start + size))})
+        start += size
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, (shape, dtype) in sorted(saved.items(), key=lambda item: int(item[0].split(".", 1)[0])):
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
+    _check_optimizer_state(repr(path), optimizer, {"state": state, "param_groups": groups},
+                           [p.shape for p in optimizer.params])
+
+
+def _agree(check: Callable[[], None]) -> None:
+    """Run this rank's part of a check; if it failed on any rank, raise on every rank, so
+    that no rank loads while another refuses."""
+    error = None
+    try:
+        check()
+    except ValueError as exc:
+        error = str(exc)
+    errors = comm.all_gather_object(error, None) if _world() > 1 else [error]
+    failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
+    if failed:
+        rank, text = failed[0]
+        raise ValueError(text + (f" (found by rank {rank})" if _world() > 1 else ""))
+
+
 def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load a folder written by :func:`save_sharded`, at any world size. Call on every rank.
 
-    The folder is read into copies and checked (Note [checkpoint integrity]) before the
-    model and optimizer change (ZeRO-3 pieces are read into the live shards after dcp has
-    checked every size).
+    How it works: the model's tensor names and shapes, the optimizer's groups and the
+    shape of every saved OSS state entry are checked against the folder's metadata first;
+    then dcp reads into copies, every rank verifies the checksums of what it read and the
+    ranks agree; only then do the model and the optimizer change (Note [checkpoint
+    integrity]). OSS state, parked state of frozen parameters included, goes to whichever
+    rank owns each parameter now. Folders of the older formats ``/1`` (no checksums) and
+    ``/2`` (no group sizes) load too.
 
     Args:
         path: the checkpoint folder.
@@ -523,8 +668,9 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
 
     Raises:
         FileNotFoundError: ``path`` is not a sharded checkpoint folder.
-        ValueError: the folder holds another kind of optimizer state than ``optimizer``, or
-            is corrupted.
+        ValueError: the folder holds another kind of optimizer state than ``optimizer``, is
+            corrupted or cannot be read, or does not fit the model or the optimizer
+            (nothing is loaded then).
     """
     path = os.path.abspath(path)
     meta = _read_meta(path)
@@ -537,41 +683,42 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
                              f"is a {type(optimizer).__name__} ({ours!r}); load with the kind of optimizer that "
                              "saved it, or pass optimizer=None to load the model only")
     with_optim = optimizer is not None and kind is not None
-    sums = meta.get("checksums", {})
+    sums = meta.get("checksums") or {}
     if isinstance(model, ShardedModel):
         state: dict[str, Any] = {"model": model.sharded_state_dict()}
+        _check_model_tensors(path, state["model"])
         if with_optim:
             state["optim"] = type(model).sharded_optim_state_dict(model, optimizer)  # type: ignore[arg-type]
-        with _named_failures("shardopt::checkpoint::load"):
+        with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
         model.load_sharded_state_dict(state["model"])
         if with_optim:
             type(model).load_sharded_optim_state_dict(model, optimizer, state["optim"])  # type: ignore[arg-type]
     elif with_optim and kind == "oss":
         assert isinstance(optimizer, ShardedOptimizer)
-        saved = {key[len("optim."):]: (item.size, item.properties.dtype)
-                 for key, item in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
-                 if key.startswith("optim.") and isinstance(item, TensorStorageMetadata)}
-        state = {"model": _clone(model.state_dict()), "optim": optimizer.sharded_state_template(saved)}
-        with _named_failures("shardopt::checkpoint::load"):
+        state = {"model": _clone(model.state_dict())}
+        _check_model_tensors(path, state["model"])
+        saved = _saved_tensors(path, "optim.")
+        _check_oss_entries(path, optimizer, meta, saved)
+        state["optim"] = optimizer.sharded_state_template(saved)
+        with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
-        _verify(repr(path), sums, {**_checksums(state["model"], "/model"), **_checksums(state["optim"], "/optim")})
-        if len(meta["param_groups"]) != len(optimizer.param_groups):
-            raise ValueError(f"checkpoint {path!r} has {len(meta['param_groups'])} optimizer param groups but the "
-                             f"optimizer has {len(optimizer.param_groups)}; build it with the same groups. "
-                             "Nothing was loaded")
+        _agree(lambda: _verify(repr(path), sums, {**_checksums(state["model"], "/model"),
+                                                  **_checksums(state["optim"], "/optim")}))
         model.load_state_dict(state["model"])
         optimizer.load_sharded_state_entries(state["optim"], meta["optim_values"], meta["param_groups"])
     elif with_optim:
         assert optimizer is not None
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": _clone(model_state), "optim": _clone(optim_state)}
-        with _named_failures("shardopt::checkpoint::load"):
+        _check_model_tensors(path, state["model"])
+        with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         state = {"model": _clone(get_model_state_dict(model))}
-        with _named_failures("shardopt::checkpoint::load"):
+        _check_model_tensors(path, state["model"])
+        with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
         if kind == "oss":
             _verify(repr(path), {k: v for k, v in sums.items() if k.startswith("/model")},
