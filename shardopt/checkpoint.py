@@ -16,33 +16,16 @@ small protocols :class:`ShardedOptimizer` (OSS: its state keyed by parameter ind
 name-keyed optimizer state). Anything else goes through torch's own
 ``torch.distributed.checkpoint.state_dict`` helpers.
 
-Note [checkpoint integrity]
-Every record carries a CRC-32, computed when it is saved and verified when it is loaded: a
-tensor's bytes, or the ``repr`` of a plain value (number, string, bool, None). A
-consolidated file checks every model, optimizer and ``extra`` record (hyperparameters and
-step counters included). A sharded folder checks its metadata file as a whole (which holds
-the hyperparameters, non-tensor state and ``extra``) and, for OSS, every tensor it writes:
-each optimizer entry is written whole by its owner and the replicated model tensors once,
-so what a load reads is byte-identical to what was saved at any world size; each rank
-checks what it read and the ranks agree before any of them changes anything.
-``ShardedTensor`` and ``DTensor`` pieces (ZeRO-3, FSDP2) and DDP's plain state are resliced
-at another world size, so they rely on dcp alone. CRC-32 (zlib) finds flipped bits and torn
-writes at memory speed; it is not a defence against deliberate tampering.
-A load first reads and checks everything (names, shapes, checksums, optimizer groups and
-state shapes) and only then changes the model and the optimizer, so a failed load leaves
-both as they were (a ZeRO-3 load reads into the live shards after dcp has checked every
-size). Files written in formats ``/1`` (no checksums) and ``/2`` (tensor checksums only,
-no group sizes) still load, with the checks their records allow.
+Note [checkpoint integrity] in :mod:`shardopt.state_checks` says what the checksums cover
+and in what order a load checks and then changes things.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 import tempfile
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
@@ -63,7 +46,15 @@ from torch.distributed.checkpoint.state_dict import (
 from shardopt import comm, failures
 from shardopt.failures import CollectiveError
 from shardopt.files import atomic_write, fsync_dir
-from shardopt.optim.oss import state_fits
+from shardopt.state_checks import (
+    check_indexed_state,
+    check_model_state,
+    check_optimizer_state,
+    checksums,
+    meta_crc,
+    shapes,
+    verify,
+)
 
 __all__ = [
     "ShardedModel",
@@ -82,7 +73,7 @@ CONSOLIDATED_FORMAT = "shardopt.consolidated/3"
 SHARDED_FORMAT = "shardopt.sharded/3"
 _OLD_FORMATS = {"shardopt.consolidated/1", "shardopt.sharded/1", "shardopt.consolidated/2", "shardopt.sharded/2"}
 _META_FILE = "shardopt_meta.pt"
-_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 
 # Note [sharded optimizer layout]
 # An OSS rank holds the state of the parameters it owns, frozen ones included. Its entries
@@ -172,99 +163,6 @@ def _barrier() -> None:
         comm.barrier(None)
 
 
-# ---------------------------------------------------------------------- integrity
-
-
-def _crc(tensor: torch.Tensor) -> int:
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return zlib.crc32(data.tobytes()) & 0xFFFFFFFF
-
-
-def _checksums(obj: Any, prefix: str = "", values: bool = False) -> dict[str, int]:
-    """CRC-32 of every plain tensor inside ``obj`` (dicts, lists, tuples), keyed by path; with
-    ``values``, of every plain value's ``repr`` too (exact for floats, the same in every process)."""
-    out: dict[str, int] = {}
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is torch.Tensor or isinstance(obj, nn.Parameter):
-            out[prefix] = _crc(obj)
-    elif values and isinstance(obj, _PLAIN):
-        out[prefix] = zlib.crc32(repr(obj).encode()) & 0xFFFFFFFF
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            out.update(_checksums(value, f"{prefix}/{key}", values))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            out.update(_checksums(value, f"{prefix}/{i}", values))
-    return out
-
-
-def _verify(where: str, saved: Mapping[str, int], loaded: Mapping[str, int]) -> None:
-    """Compare the records read (``loaded``) with the checksums saved for them."""
-    bad = [k for k, crc in saved.items() if k in loaded and loaded[k] != crc]
-    if bad:
-        raise ValueError(f"checkpoint {where} is corrupted: {len(bad)} record(s) fail their checksum, first "
-                         f"{bad[0].lstrip('/')!r}; restore it from a backup or an earlier checkpoint. "
-                         "Nothing was loaded")
-
-
-def _meta_crc(meta: Mapping[str, Any]) -> int:
-    return zlib.crc32(pickle.dumps({k: v for k, v in meta.items() if k != "meta_crc"}, protocol=4)) & 0xFFFFFFFF
-
-
-# ---------------------------------------------------------------------- validation
-
-
-def _shapes(state: Mapping[str, Any]) -> dict[str, torch.Size | None]:
-    """The shape of every tensor of a flat state dict (``None`` for other values)."""
-    return {k: v.shape if isinstance(v, torch.Tensor) else None for k, v in state.items()}
-
-
-def _check_model_state(where: str, expected: Mapping[str, torch.Size | None],
-                       saved: Mapping[str, torch.Size | None]) -> None:
-    """Names and shapes saved against the model's own (``expected``), strict."""
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
-    wrong = [(k, tuple(a), tuple(b)) for k, b in expected.items()
-             if (a := saved.get(k)) is not None and b is not None and a != b]
-    if missing or unexpected or wrong:
-        parts = ([f"missing {missing[:5]}"] if missing else []) + ([f"unexpected {unexpected[:5]}"] if unexpected else [])
-        parts += [f"{k!r} has shape {a} in the checkpoint but {b} in the model" for k, a, b in wrong[:3]]
-        raise ValueError(f"checkpoint {where} does not fit this model ({'; '.join(parts)}); load it into the model "
-                         "it was saved from (same architecture and configuration). Nothing was loaded")
-
-
-def _check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: Any,
-                           shapes: list[torch.Size] | Mapping[str, torch.Size]) -> None:
-    """Groups, parameter counts and per-parameter state shapes, before anything is loaded.
-
-    ``shapes`` are the parameters' full shapes, by index (state keyed by index) or by name.
-    State shapes follow :func:`shardopt.optim.oss.state_fits` (element-wise or factored).
-    """
-    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
-    if not isinstance(groups, (list, tuple)) or not isinstance(osd.get("state"), Mapping):
-        raise ValueError(f"checkpoint {where} holds no optimizer state dict ('state' and 'param_groups'); "
-                         "pass optimizer=None to load the model only")
-    ours = [len(g["params"]) for g in optimizer.param_groups]
-    theirs = [len(g["params"]) for g in groups]
-    if ours != theirs:
-        raise ValueError(f"checkpoint {where} has optimizer groups of sizes {theirs} but the optimizer has {ours}; "
-                         "build the optimizer with the same param groups as the one that was saved. Nothing was loaded")
-    ids = [pid for g in groups for pid in g["params"]]
-    position = {pid: i for i, pid in enumerate(ids)}
-    for key, entry in osd["state"].items():
-        if key not in position:
-            raise ValueError(f"checkpoint {where}: optimizer state entry {key!r} is in no param group; "
-                             "the file is inconsistent. Nothing was loaded")
-        shape = shapes[key] if isinstance(shapes, Mapping) else shapes[position[key]]
-        for name, value in entry.items():
-            if not state_fits(value, shape):
-                raise ValueError(
-                    f"checkpoint {where}: optimizer state {name!r} of parameter {key!r} has shape "
-                    f"{tuple(value.shape)} in the checkpoint but the parameter has {tuple(shape)}; the optimizer "
-                    "state belongs to another model or parameter order: build the optimizer over the same "
-                    "parameters in the same order. Nothing was loaded")
-
-
 def check_writable(path: str, sharded: bool) -> None:
     """Fail now, not after training, when a checkpoint cannot be written at ``path``.
 
@@ -341,9 +239,9 @@ def save_consolidated(
         extra_state = dict(extra or {})
         blob = {"format": CONSOLIDATED_FORMAT, "model": model_state, "optimizer": optim_state,
                 "extra": extra_state,
-                "checksums": {"model": _checksums(model_state, values=True),
-                              "optimizer": _checksums(optim_state, values=True),
-                              "extra": _checksums(extra_state, values=True)}}
+                "checksums": {"model": checksums(model_state, values=True),
+                              "optimizer": checksums(optim_state, values=True),
+                              "extra": checksums(extra_state, values=True)}}
         atomic_write(path, lambda f: torch.save(blob, f))
         logger.info("wrote consolidated checkpoint %s", path)
     _barrier()
@@ -363,7 +261,7 @@ def _read_consolidated(path: str) -> dict[str, Any]:
     sums = blob.get("checksums")
     for part in ("model", "optimizer", "extra"):
         if sums is not None and part in sums:
-            _verify(repr(path), sums[part], _checksums(blob[part], values=True))
+            verify(repr(path), sums[part], checksums(blob[part], values=True))
     return blob
 
 
@@ -393,16 +291,16 @@ def load_consolidated(
     """
     blob = _read_consolidated(path)
     expected = module.state_dict() if isinstance(module, ShardedModel) else module.state_dict(keep_vars=True)
-    _check_model_state(repr(path), _shapes(expected), _shapes(blob["model"]))
+    check_model_state(repr(path), shapes(expected), shapes(blob["model"]))
     osd = blob["optimizer"] if optimizer is not None else None
     if osd is not None:
         assert optimizer is not None
         if isinstance(module, ShardedModel):  # full state keyed by parameter name
-            _check_optimizer_state(repr(path), optimizer, osd, {k: v.shape for k, v in expected.items()})
+            check_optimizer_state(repr(path), optimizer, osd, {k: v.shape for k, v in expected.items()})
         else:
             params = list(optimizer.params) if isinstance(optimizer, ShardedOptimizer) else [
                 p for g in optimizer.param_groups for p in g["params"]]
-            _check_optimizer_state(repr(path), optimizer, osd, [p.shape for p in params])
+            check_optimizer_state(repr(path), optimizer, osd, [p.shape for p in params])
     module.load_state_dict(blob["model"])
     if osd is not None:
         assert optimizer is not None
@@ -465,9 +363,8 @@ def _encode(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
 # that fails removes its staging folder (rank 0, once dcp has gathered every rank's result,
 # so no rank is still writing into it); a killed save cannot, and the next save removes what
 # it left. The names are hidden and shardopt's own, so nothing of the user's next to the
-# target is ever moved or removed (a plain "<name>.tmp" would be). A process killed between
-# the two renames leaves the previous checkpoint under ".<name>.shardopt-old"; load_sharded
-# says so, and the next save replaces it.
+# target is ever moved or removed (a plain "<name>.tmp" would be). A kill between the two
+# renames leaves the previous checkpoint in ".<name>.shardopt-old", as load_sharded says.
 
 
 def _side_paths(path: str) -> tuple[str, str]:
@@ -535,9 +432,9 @@ def save_sharded(
     try:
         with _named_failures("shardopt::checkpoint::save"):
             dcp.save(state, checkpoint_id=staging)
-        sums = _checksums(state.get("optim") if kind == "oss" else None, "/optim")
+        sums = checksums(state.get("optim") if kind == "oss" else None, "/optim")
         if _rank() == 0:
-            sums.update(_checksums(state["model"], "/model") if kind == "oss" else {})
+            sums.update(checksums(state["model"], "/model") if kind == "oss" else {})
         gathered = comm.all_gather_object((values, sums), None) if _world() > 1 else [(values, sums)]
         if _rank() == 0:
             oss_groups = kind == "oss" and optimizer is not None
@@ -551,7 +448,7 @@ def save_sharded(
                 "checksums": {k: v for _, part in gathered for k, v in part.items()},
                 "extra": dict(extra or {}),
             }
-            meta["meta_crc"] = _meta_crc(meta)
+            meta["meta_crc"] = meta_crc(meta)
             atomic_write(os.path.join(staging, _META_FILE), lambda f: torch.save(meta, f))
             _swap_in(staging, path, _side_paths(path)[1])
             logger.info("wrote sharded checkpoint %s", path)
@@ -579,7 +476,7 @@ def _read_meta(path: str) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") not in (SHARDED_FORMAT, *_OLD_FORMATS):
         raise ValueError(f"{path!r} is not a shardopt sharded checkpoint (format "
                          f"{meta.get('format') if isinstance(meta, dict) else None!r})")
-    if "meta_crc" in meta and meta["meta_crc"] != _meta_crc(meta):
+    if "meta_crc" in meta and meta["meta_crc"] != meta_crc(meta):
         raise ValueError(f"checkpoint {path!r} is corrupted: {_META_FILE} fails its checksum; restore the folder "
                          "from a backup or an earlier checkpoint")
     return dict(meta)
@@ -605,31 +502,7 @@ def _check_model_tensors(path: str, state: Mapping[str, Any]) -> None:
     """The model's tensor names and full shapes against the folder's, before dcp reads."""
     expected = {k: v.size() for k, v in state.items() if isinstance(v, torch.Tensor)}
     saved: dict[str, torch.Size | None] = {k: size for k, (size, _) in _saved_tensors(path, "model.").items()}
-    _check_model_state(repr(path), expected, saved)
-
-
-def _check_oss_entries(path: str, optimizer: ShardedOptimizer, meta: Mapping[str, Any],
-                       saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> None:
-    """OSS groups and every saved state entry's shape against the parameters (on every rank
-    the same answer: the folder's metadata is global)."""
-    assert isinstance(optimizer, torch.optim.Optimizer)
-    sizes = meta.get("group_sizes")
-    if sizes is None:  # format /1 or /2: only the number of groups was saved
-        if len(meta["param_groups"]) != len(optimizer.param_groups):
-            raise ValueError(f"checkpoint {path!r} has {len(meta['param_groups'])} optimizer param groups but the "
-                             f"optimizer has {len(optimizer.param_groups)}; build it with the same groups. "
-                             "Nothing was loaded")
-        sizes = [len(g["params"]) for g in optimizer.param_groups]
-    groups, start = [], 0
-    for size in sizes:
-        groups.append({"params": list(range(start, start + size))})
-        start += size
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, (shape, dtype) in sorted(saved.items(), key=lambda item: int(item[0].split(".", 1)[0])):
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
-    _check_optimizer_state(repr(path), optimizer, {"state": state, "param_groups": groups},
-                           [p.shape for p in optimizer.params])
+    check_model_state(repr(path), expected, saved)
 
 
 def _agree(check: Callable[[], None]) -> None:
@@ -699,12 +572,12 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         state = {"model": _clone(model.state_dict())}
         _check_model_tensors(path, state["model"])
         saved = _saved_tensors(path, "optim.")
-        _check_oss_entries(path, optimizer, meta, saved)
+        check_indexed_state(repr(path), optimizer, [p.shape for p in optimizer.params], meta, saved)
         state["optim"] = optimizer.sharded_state_template(saved)
         with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
-        _agree(lambda: _verify(repr(path), sums, {**_checksums(state["model"], "/model"),
-                                                  **_checksums(state["optim"], "/optim")}))
+        _agree(lambda: verify(repr(path), sums, {**checksums(state["model"], "/model"),
+                                                  **checksums(state["optim"], "/optim")}))
         model.load_state_dict(state["model"])
         optimizer.load_sharded_state_entries(state["optim"], meta["optim_values"], meta["param_groups"])
     elif with_optim:
@@ -721,7 +594,7 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
         if kind == "oss":
-            _verify(repr(path), {k: v for k, v in sums.items() if k.startswith("/model")},
-                    _checksums(state["model"], "/model"))
+            verify(repr(path), {k: v for k, v in sums.items() if k.startswith("/model")},
+                    checksums(state["model"], "/model"))
         set_model_state_dict(model, state["model"])
     return dict(meta["extra"])

@@ -30,6 +30,7 @@ from torch.optim import SGD, Optimizer
 from shardopt import comm
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
 from shardopt.partition import Partition, partition_by_size
+from shardopt.state_checks import check_state_fits
 
 __all__ = ["OSS"]
 
@@ -74,35 +75,6 @@ def _state_to_param(state: dict[str, Any], param: torch.Tensor, group: dict[str,
         k: v.to(param.device) if isinstance(v, torch.Tensor) and (v.dim() > 0 or on_device) else v
         for k, v in state.items()
     }
-
-
-def state_fits(value: Any, param_shape: torch.Size) -> bool:
-    """Whether one optimizer state value can belong to a parameter of ``param_shape``.
-
-    Scalars and non-tensors always fit. A tensor must have the parameter's number of
-    dimensions with every size equal to the parameter's or 1: element-wise state (momentum,
-    Adam's moments) has the parameter's shape, and factored state (``Adafactor``'s row and
-    column variances) keeps the parameter's dimensions with some of them 1.
-    """
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return True
-    return value.dim() == len(param_shape) and all(a in (b, 1) for a, b in zip(value.shape, param_shape))
-
-
-def _check_state_fits(state: Mapping[Any, Any], to_index: Mapping[Any, int], params: tuple[torch.Tensor, ...]) -> None:
-    """Refuse a state dict whose entries do not fit their parameters (by :func:`state_fits`)."""
-    for key, entry in state.items():
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"state_dict['state'][{key!r}] is a {type(entry).__name__}, not a dict of state "
-                             "values; pass optimizer.state_dict() output")
-        shape = params[to_index[key]].shape
-        for name, value in entry.items():
-            if not state_fits(value, shape):
-                raise ValueError(
-                    f"state_dict['state'][{key!r}][{name!r}] has shape {tuple(value.shape)} but parameter "
-                    f"{to_index[key]} has shape {tuple(shape)}; load a state dict saved from the same model "
-                    "and param groups (in the same order). Nothing was loaded"
-                )
 
 
 def _torch_norm_order(indices: list[int], params: tuple[torch.Tensor, ...]) -> list[int]:
@@ -524,8 +496,8 @@ class OSS(Optimizer):
 
         Raises:
             ValueError: the dict is not an optimizer state dict, or its groups, parameter
-                counts, state indices or state shapes do not match this optimizer (checked
-                before anything changes).
+                counts, state indices or state shapes do not match (checked first).
+            TypeError: a state entry is not a dict.
         """
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if (not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict)
@@ -546,7 +518,7 @@ class OSS(Optimizer):
             raise ValueError(f"state_dict['state'] has entries {unknown[:5]} that no param group lists; "
                              "load a state dict saved from the same model and param groups")
         params, owners = self.params, self._partition.owners
-        _check_state_fits(state_dict["state"], to_index, params)  # before anything changes
+        check_state_fits(state_dict["state"], to_index, params)  # before anything changes
         for g, saved in zip(self.param_groups, groups):
             g.update(_hyper(saved))
         state = {to_index[k]: s for k, s in state_dict["state"].items()}
