@@ -16,26 +16,17 @@ small protocols :class:`ShardedOptimizer` (OSS: its state keyed by parameter ind
 name-keyed optimizer state). Anything else goes through torch's own
 ``torch.distributed.checkpoint.state_dict`` helpers.
 
-Note [checkpoint integrity]
-Every tensor record carries a CRC-32 of its bytes, computed when it is saved and verified
-when it is loaded: a consolidated file checks every model and optimizer tensor; a sharded
-folder checks its metadata file and, for OSS, every tensor entry (each state entry is
-written whole by its owner, the replicated model tensors by rank 0); ``ShardedTensor`` and
-``DTensor`` pieces (ZeRO-3, FSDP2) and DDP's plain state rely on dcp alone.
-A load first reads and checks everything (names, shapes, checksums, optimizer groups and
-state shapes) and only then changes the model and the optimizer, so a failed load leaves
-both as they were. Files written before checksums existed (format ``/1``) still load.
+Note [checkpoint integrity] in :mod:`shardopt.state_checks` says what the checksums cover
+and in what order a load checks and then changes things.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 import tempfile
-import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,6 +46,15 @@ from torch.distributed.checkpoint.state_dict import (
 from shardopt import comm, failures
 from shardopt.failures import CollectiveError
 from shardopt.files import atomic_write, fsync_dir
+from shardopt.state_checks import (
+    check_indexed_state,
+    check_model_state,
+    check_optimizer_state,
+    checksums,
+    meta_crc,
+    shapes,
+    verify,
+)
 
 __all__ = [
     "ShardedModel",
@@ -69,10 +69,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CONSOLIDATED_FORMAT = "shardopt.consolidated/2"
-SHARDED_FORMAT = "shardopt.sharded/2"
-_OLD_FORMATS = {"shardopt.consolidated/1", "shardopt.sharded/1"}
+CONSOLIDATED_FORMAT = "shardopt.consolidated/3"
+SHARDED_FORMAT = "shardopt.sharded/3"
+_OLD_FORMATS = {"shardopt.consolidated/1", "shardopt.sharded/1", "shardopt.consolidated/2", "shardopt.sharded/2"}
 _META_FILE = "shardopt_meta.pt"
+PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 
 # Note [sharded optimizer layout]
 # An OSS rank holds the state of the parameters it owns, frozen ones included. Its entries
@@ -130,12 +131,20 @@ class ShardedModel(Protocol):
 
 
 @contextmanager
-def _named_failures(label: str) -> Iterator[None]:
+def _named_failures(label: str, reading: str | None = None) -> Iterator[None]:
     """dcp's own collectives: a peer that failed or died is named like in shardopt's own
-    (Note [failure board] in :mod:`shardopt.failures`)."""
+    (Note [failure board] in :mod:`shardopt.failures`). While ``reading`` a folder, a step
+    that failed on some rank (dcp raises that on every rank) is a damaged or foreign folder:
+    a ``ValueError`` naming it (``CheckpointException`` is no ``Exception``)."""
     try:
         yield
     except (RuntimeError, CheckpointException) as exc:
+        if reading is not None and isinstance(exc, CheckpointException) and exc.failures:
+            rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
+            text = (str(cause).strip().splitlines() or [""])[0]
+            raise ValueError(f"checkpoint {reading!r} cannot be read: rank {rank} failed with "
+                             f"{type(cause).__name__}: {text}; the folder is damaged or holds another model: "
+                             "restore it from a backup or an earlier checkpoint") from exc
         if isinstance(exc, CollectiveError) or not (dist.is_available() and dist.is_initialized()):
             raise
         raise failures.collective_error(label, exc) from exc
@@ -154,86 +163,6 @@ def _barrier() -> None:
         comm.barrier(None)
 
 
-# ---------------------------------------------------------------------- integrity
-
-
-def _crc(tensor: torch.Tensor) -> int:
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return zlib.crc32(data.tobytes()) & 0xFFFFFFFF
-
-
-def _checksums(obj: Any, prefix: str = "") -> dict[str, int]:
-    """CRC-32 of every plain tensor inside ``obj`` (dicts, lists, tuples), keyed by path."""
-    out: dict[str, int] = {}
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is torch.Tensor or isinstance(obj, nn.Parameter):
-            out[prefix] = _crc(obj)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            out.update(_checksums(value, f"{prefix}/{key}"))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            out.update(_checksums(value, f"{prefix}/{i}"))
-    return out
-
-
-def _verify(where: str, saved: Mapping[str, int], loaded: Mapping[str, int]) -> None:
-    bad = [k for k, crc in saved.items() if k in loaded and loaded[k] != crc]
-    if bad:
-        raise ValueError(f"checkpoint {where} is corrupted: {len(bad)} record(s) fail their checksum, first "
-                         f"{bad[0].lstrip('/')!r}; restore it from a backup or an earlier checkpoint")
-
-
-def _meta_crc(meta: Mapping[str, Any]) -> int:
-    return zlib.crc32(pickle.dumps({k: v for k, v in meta.items() if k != "meta_crc"}, protocol=4)) & 0xFFFFFFFF
-
-
-# ---------------------------------------------------------------------- validation
-
-
-def _check_model_state(where: str, expected: Mapping[str, Any], state: Mapping[str, Any]) -> None:
-    """Names and shapes of ``state`` against the model's own (``expected``), strict."""
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    wrong = [(k, tuple(state[k].shape), tuple(expected[k].shape)) for k in expected
-             if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        parts = ([f"missing {missing[:5]}"] if missing else []) + ([f"unexpected {unexpected[:5]}"] if unexpected else [])
-        parts += [f"{k!r} has shape {a} in the checkpoint but {b} in the model" for k, a, b in wrong[:3]]
-        raise ValueError(f"checkpoint {where} does not fit this model ({'; '.join(parts)}); load it into the model "
-                         "it was saved from (same architecture and configuration). Nothing was loaded")
-
-
-def _check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: Any,
-                           shapes: list[torch.Size] | Mapping[str, torch.Size]) -> None:
-    """Groups, parameter counts and per-parameter state shapes, before anything is loaded.
-
-    ``shapes`` are the parameters' full shapes, by index (state keyed by index) or by name.
-    """
-    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
-    if not isinstance(groups, (list, tuple)) or not isinstance(osd.get("state"), Mapping):
-        raise ValueError(f"checkpoint {where} holds no optimizer state dict ('state' and 'param_groups'); "
-                         "pass optimizer=None to load the model only")
-    ours = [len(g["params"]) for g in optimizer.param_groups]
-    theirs = [len(g["params"]) for g in groups]
-    if ours != theirs:
-        raise ValueError(f"checkpoint {where} has optimizer groups of sizes {theirs} but the optimizer has {ours}; "
-                         "build the optimizer with the same param groups as the one that was saved. Nothing was loaded")
-    ids = [pid for g in groups for pid in g["params"]]
-    position = {pid: i for i, pid in enumerate(ids)}
-    for key, entry in osd["state"].items():
-        if key not in position:
-            raise ValueError(f"checkpoint {where}: optimizer state entry {key!r} is in no param group; "
-                             "the file is inconsistent. Nothing was loaded")
-        shape = shapes[key] if isinstance(shapes, Mapping) else shapes[position[key]]
-        for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shape:
-                raise ValueError(
-                    f"checkpoint {where}: optimizer state {name!r} of parameter {key!r} has shape "
-                    f"{tuple(value.shape)} but the parameter has {tuple(shape)}; the optimizer state belongs to "
-                    "another model. Nothing was loaded")
-
-
 def check_writable(path: str, sharded: bool) -> None:
     """Fail now, not after training, when a checkpoint cannot be written at ``path``.
 
@@ -242,8 +171,9 @@ def check_writable(path: str, sharded: bool) -> None:
         sharded: whether a folder will be written.
 
     Raises:
-        ValueError: a file where a folder is needed or the reverse, a folder that is not a
-            shardopt checkpoint, or a parent folder where files cannot be created.
+        ValueError: a file where a folder is needed or the reverse (the path itself or one
+            of its parents), a non-empty folder that is not a shardopt checkpoint, or a
+            parent folder where files cannot be created.
     """
     path = os.path.abspath(path)
     if sharded and os.path.exists(path) and not os.path.isdir(path):
@@ -258,6 +188,9 @@ def check_writable(path: str, sharded: bool) -> None:
     parent = os.path.dirname(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"checkpoint path {path!r} cannot be created: {parent!r} is a file, not a folder: the "
+                         "checkpoint cannot be created under it; pick another path")
     try:  # a real probe: access() says yes to root even where nothing can be created
         with tempfile.TemporaryFile(dir=parent):
             pass
@@ -303,9 +236,12 @@ def save_consolidated(
     elif optimizer is not None:
         optim_state = optimizer.state_dict()
     if _rank() == 0:
+        extra_state = dict(extra or {})
         blob = {"format": CONSOLIDATED_FORMAT, "model": model_state, "optimizer": optim_state,
-                "extra": dict(extra or {}),
-                "checksums": {"model": _checksums(model_state), "optimizer": _checksums(optim_state)}}
+                "extra": extra_state,
+                "checksums": {"model": checksums(model_state, values=True),
+                              "optimizer": checksums(optim_state, values=True),
+                              "extra": checksums(extra_state, values=True)}}
         atomic_write(path, lambda f: torch.save(blob, f))
         logger.info("wrote consolidated checkpoint %s", path)
     _barrier()
@@ -323,9 +259,9 @@ def _read_consolidated(path: str) -> dict[str, Any]:
         raise ValueError(f"{path!r} is not a shardopt consolidated checkpoint (expected format "
                          f"{CONSOLIDATED_FORMAT!r}); was it written by save_sharded? use load_sharded")
     sums = blob.get("checksums")
-    if sums is not None:
-        _verify(repr(path), sums["model"], _checksums(blob["model"]))
-        _verify(repr(path), sums["optimizer"], _checksums(blob["optimizer"]))
+    for part in ("model", "optimizer", "extra"):
+        if sums is not None and part in sums:
+            verify(repr(path), sums[part], checksums(blob[part], values=True))
     return blob
 
 
@@ -336,7 +272,9 @@ def load_consolidated(
 
     Every rank reads the file; a :class:`ShardedOptimizer` keeps the state of the
     parameters it owns under the current world size, whatever the world size that saved
-    it. Everything is checked before anything changes (Note [checkpoint integrity]).
+    it. Everything is checked before anything changes (Note [checkpoint integrity]):
+    checksums, parameter names and shapes, optimizer group sizes and state shapes. Files
+    of the older formats ``/1`` (no checksums) and ``/2`` load too.
 
     Args:
         path: the checkpoint file.
@@ -353,16 +291,16 @@ def load_consolidated(
     """
     blob = _read_consolidated(path)
     expected = module.state_dict() if isinstance(module, ShardedModel) else module.state_dict(keep_vars=True)
-    _check_model_state(repr(path), expected, blob["model"])
+    check_model_state(repr(path), shapes(expected), shapes(blob["model"]))
     osd = blob["optimizer"] if optimizer is not None else None
     if osd is not None:
         assert optimizer is not None
         if isinstance(module, ShardedModel):  # full state keyed by parameter name
-            _check_optimizer_state(repr(path), optimizer, osd, {k: v.shape for k, v in expected.items()})
+            check_optimizer_state(repr(path), optimizer, osd, {k: v.shape for k, v in expected.items()})
         else:
             params = list(optimizer.params) if isinstance(optimizer, ShardedOptimizer) else [
                 p for g in optimizer.param_groups for p in g["params"]]
-            _check_optimizer_state(repr(path), optimizer, osd, [p.shape for p in params])
+            check_optimizer_state(repr(path), optimizer, osd, [p.shape for p in params])
     module.load_state_dict(blob["model"])
     if osd is not None:
         assert optimizer is not None
@@ -418,16 +356,59 @@ def _encode(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
     return None, {"model": get_model_state_dict(model)}, {}
 
 
+# Note [sharded save staging]
+# dcp writes into a hidden folder next to the target, ".<name>.shardopt-staging"; rank 0
+# writes the metadata file last, then swaps: the previous checkpoint is renamed to
+# ".<name>.shardopt-old", the staging folder to <name>, and the old one is removed. A save
+# that fails removes its staging folder (rank 0, once dcp has gathered every rank's result,
+# so no rank is still writing into it); a killed save cannot, and the next save removes what
+# it left. The names are hidden and shardopt's own, so nothing of the user's next to the
+# target is ever moved or removed (a plain "<name>.tmp" would be). A kill between the two
+# renames leaves the previous checkpoint in ".<name>.shardopt-old", as load_sharded says.
+
+
+def _side_paths(path: str) -> tuple[str, str]:
+    """(staging folder, previous checkpoint during the swap) of ``path`` (Note [sharded save staging])."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.shardopt-staging"), os.path.join(directory, f".{name}.shardopt-old")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _swap_in(staging: str, path: str, old: str) -> None:
+    """Replace ``path`` by the finished ``staging`` folder (Note [sharded save staging])."""
+    if os.path.exists(path):
+        _remove(old)  # left by a save killed after its swap
+        os.replace(path, old)
+        try:
+            os.replace(staging, path)
+        except BaseException:
+            os.replace(old, path)
+            raise
+    else:
+        os.replace(staging, path)
+    fsync_dir(os.path.dirname(path))
+    _remove(old)
+
+
 def save_sharded(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any] | None = None
 ) -> None:
     """Write a sharded checkpoint folder with ``torch.distributed.checkpoint``. Call on every rank.
 
-    How it works: the model's state and the optimizer's (Note [sharded optimizer layout])
-    go to ``dcp.save`` in ``<path>.tmp``, where every rank writes only what it holds and
-    replicated tensors are written once; non-tensor values, hyperparameters, checksums
-    (Note [checkpoint integrity]) and ``extra`` go to a metadata file; then rank 0 moves the
-    finished folder to ``path``. A crash mid-save leaves the previous ``path`` untouched.
+    How it works: the model's state and the optimizer's (Note [sharded optimizer layout];
+    OSS includes the parked state of frozen parameters) go to ``dcp.save`` in a hidden
+    staging folder next to ``path``, where every rank writes only what it holds and
+    replicated tensors are written once; non-tensor values, hyperparameters, group sizes,
+    checksums (Note [checkpoint integrity]) and ``extra`` go to a metadata file; then rank 0
+    swaps the finished folder in (Note [sharded save staging]). A failed or killed save
+    leaves the previous ``path`` untouched and no staging folder behind once the next save
+    has run.
 
     Args:
         path: the folder to write (replaced when it is a shardopt checkpoint; must be on a
@@ -438,50 +419,53 @@ def save_sharded(
         extra: small picklable values saved alongside.
 
     Raises:
-        ValueError: ``path`` is a file or a folder that is not a shardopt checkpoint (it is
-            left untouched), or cannot be written.
+        ValueError: ``path`` is a file or a non-empty folder that is not a shardopt
+            checkpoint (it is left untouched), or cannot be written (:func:`check_writable`).
     """
     path = os.path.abspath(path)
     check_writable(path, sharded=True)
-    staging = path + ".tmp"
-    if _rank() == 0 and os.path.exists(staging):
-        shutil.rmtree(staging)  # left by a save that was killed
+    staging, _ = _side_paths(path)
+    if _rank() == 0:
+        _remove(staging)  # left by a save that was killed
     _barrier()
     kind, state, values = _encode(model, optimizer)
-    with _named_failures("shardopt::checkpoint::save"):
-        dcp.save(state, checkpoint_id=staging)
-    sums = _checksums(state.get("optim") if kind == "oss" else None, "/optim")
-    if _rank() == 0:
-        sums.update(_checksums(state["model"], "/model") if kind == "oss" else {})
-    gathered = comm.all_gather_object((values, sums), None) if _world() > 1 else [(values, sums)]
-    if _rank() == 0:
-        meta = {
-            "format": SHARDED_FORMAT, "world_size": _world(), "optim_kind": kind,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            if kind == "oss" and optimizer is not None else None,
-            "optim_values": {k: v for part, _ in gathered for k, v in part.items()},
-            "checksums": {k: v for _, part in gathered for k, v in part.items()},
-            "extra": dict(extra or {}),
-        }
-        meta["meta_crc"] = _meta_crc(meta)
-        atomic_write(os.path.join(staging, _META_FILE), lambda f: torch.save(meta, f))
-        if os.path.exists(path):
-            old = path + ".old"
-            if os.path.exists(old):
-                shutil.rmtree(old)
-            os.replace(path, old)
-            os.replace(staging, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(staging, path)
-        fsync_dir(os.path.dirname(path))
-        logger.info("wrote sharded checkpoint %s", path)
+    try:
+        with _named_failures("shardopt::checkpoint::save"):
+            dcp.save(state, checkpoint_id=staging)
+        sums = checksums(state.get("optim") if kind == "oss" else None, "/optim")
+        if _rank() == 0:
+            sums.update(checksums(state["model"], "/model") if kind == "oss" else {})
+        gathered = comm.all_gather_object((values, sums), None) if _world() > 1 else [(values, sums)]
+        if _rank() == 0:
+            oss_groups = kind == "oss" and optimizer is not None
+            meta = {
+                "format": SHARDED_FORMAT, "world_size": _world(), "optim_kind": kind,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+                if oss_groups and optimizer is not None else None,
+                "group_sizes": [len(g["params"]) for g in optimizer.param_groups]
+                if oss_groups and optimizer is not None else None,
+                "optim_values": {k: v for part, _ in gathered for k, v in part.items()},
+                "checksums": {k: v for _, part in gathered for k, v in part.items()},
+                "extra": dict(extra or {}),
+            }
+            meta["meta_crc"] = meta_crc(meta)
+            atomic_write(os.path.join(staging, _META_FILE), lambda f: torch.save(meta, f))
+            _swap_in(staging, path, _side_paths(path)[1])
+            logger.info("wrote sharded checkpoint %s", path)
+    except BaseException:
+        if _rank() == 0:
+            _remove(staging)
+        raise
     _barrier()
 
 
 def _read_meta(path: str) -> dict[str, Any]:
     meta_path = os.path.join(path, _META_FILE)
     if not os.path.isfile(meta_path):
+        old = _side_paths(path)[1]
+        if not os.path.exists(path) and os.path.isfile(os.path.join(old, _META_FILE)):
+            raise FileNotFoundError(f"no sharded checkpoint at {path!r}: a save was killed while replacing it and "
+                                    f"the previous checkpoint is in {old!r}; rename that folder to {path!r}")
         raise FileNotFoundError(f"no sharded checkpoint at {path!r} (missing {_META_FILE}); save one first "
                                 "with save_sharded")
     try:
@@ -489,9 +473,10 @@ def _read_meta(path: str) -> dict[str, Any]:
     except Exception as exc:
         raise ValueError(f"checkpoint {path!r}: {_META_FILE} cannot be read ({type(exc).__name__}); it is "
                          "corrupted: restore the folder from a backup or an earlier checkpoint") from exc
-    if meta.get("format") not in (SHARDED_FORMAT, *_OLD_FORMATS):
-        raise ValueError(f"{path!r} is not a shardopt sharded checkpoint (format {meta.get('format')!r})")
-    if "meta_crc" in meta and meta["meta_crc"] != _meta_crc(meta):
+    if not isinstance(meta, dict) or meta.get("format") not in (SHARDED_FORMAT, *_OLD_FORMATS):
+        raise ValueError(f"{path!r} is not a shardopt sharded checkpoint (format "
+                         f"{meta.get('format') if isinstance(meta, dict) else None!r})")
+    if "meta_crc" in meta and meta["meta_crc"] != meta_crc(meta):
         raise ValueError(f"checkpoint {path!r} is corrupted: {_META_FILE} fails its checksum; restore the folder "
                          "from a backup or an earlier checkpoint")
     return dict(meta)
@@ -506,12 +491,45 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+def _saved_tensors(path: str, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of every tensor the folder holds under ``prefix`` (dcp's metadata)."""
+    items = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+    return {key[len(prefix):]: (item.size, item.properties.dtype) for key, item in items
+            if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+
+
+def _check_model_tensors(path: str, state: Mapping[str, Any]) -> None:
+    """The model's tensor names and full shapes against the folder's, before dcp reads."""
+    expected = {k: v.size() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    saved: dict[str, torch.Size | None] = {k: size for k, (size, _) in _saved_tensors(path, "model.").items()}
+    check_model_state(repr(path), expected, saved)
+
+
+def _agree(check: Callable[[], None]) -> None:
+    """Run this rank's part of a check; if it failed on any rank, raise on every rank, so
+    that no rank loads while another refuses."""
+    error = None
+    try:
+        check()
+    except ValueError as exc:
+        error = str(exc)
+    errors = comm.all_gather_object(error, None) if _world() > 1 else [error]
+    failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
+    if failed:
+        rank, text = failed[0]
+        raise ValueError(text + (f" (found by rank {rank})" if _world() > 1 else ""))
+
+
 def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load a folder written by :func:`save_sharded`, at any world size. Call on every rank.
 
-    The folder is read into copies and checked (Note [checkpoint integrity]) before the
-    model and optimizer change (ZeRO-3 pieces are read into the live shards after dcp has
-    checked every size).
+    How it works: the model's tensor names and shapes, the optimizer's groups and the
+    shape of every saved OSS state entry are checked against the folder's metadata first;
+    then dcp reads into copies, every rank verifies the checksums of what it read and the
+    ranks agree; only then do the model and the optimizer change (Note [checkpoint
+    integrity]). OSS state, parked state of frozen parameters included, goes to whichever
+    rank owns each parameter now. Folders of the older formats ``/1`` (no checksums) and
+    ``/2`` (no group sizes) load too.
 
     Args:
         path: the checkpoint folder.
@@ -523,8 +541,9 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
 
     Raises:
         FileNotFoundError: ``path`` is not a sharded checkpoint folder.
-        ValueError: the folder holds another kind of optimizer state than ``optimizer``, or
-            is corrupted.
+        ValueError: the folder holds another kind of optimizer state than ``optimizer``, is
+            corrupted or cannot be read, or does not fit the model or the optimizer
+            (nothing is loaded then).
     """
     path = os.path.abspath(path)
     meta = _read_meta(path)
@@ -537,44 +556,45 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
                              f"is a {type(optimizer).__name__} ({ours!r}); load with the kind of optimizer that "
                              "saved it, or pass optimizer=None to load the model only")
     with_optim = optimizer is not None and kind is not None
-    sums = meta.get("checksums", {})
+    sums = meta.get("checksums") or {}
     if isinstance(model, ShardedModel):
         state: dict[str, Any] = {"model": model.sharded_state_dict()}
+        _check_model_tensors(path, state["model"])
         if with_optim:
             state["optim"] = type(model).sharded_optim_state_dict(model, optimizer)  # type: ignore[arg-type]
-        with _named_failures("shardopt::checkpoint::load"):
+        with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
         model.load_sharded_state_dict(state["model"])
         if with_optim:
             type(model).load_sharded_optim_state_dict(model, optimizer, state["optim"])  # type: ignore[arg-type]
     elif with_optim and kind == "oss":
         assert isinstance(optimizer, ShardedOptimizer)
-        saved = {key[len("optim."):]: (item.size, item.properties.dtype)
-                 for key, item in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
-                 if key.startswith("optim.") and isinstance(item, TensorStorageMetadata)}
-        state = {"model": _clone(model.state_dict()), "optim": optimizer.sharded_state_template(saved)}
-        with _named_failures("shardopt::checkpoint::load"):
+        state = {"model": _clone(model.state_dict())}
+        _check_model_tensors(path, state["model"])
+        saved = _saved_tensors(path, "optim.")
+        check_indexed_state(repr(path), optimizer, [p.shape for p in optimizer.params], meta, saved)
+        state["optim"] = optimizer.sharded_state_template(saved)
+        with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
-        _verify(repr(path), sums, {**_checksums(state["model"], "/model"), **_checksums(state["optim"], "/optim")})
-        if len(meta["param_groups"]) != len(optimizer.param_groups):
-            raise ValueError(f"checkpoint {path!r} has {len(meta['param_groups'])} optimizer param groups but the "
-                             f"optimizer has {len(optimizer.param_groups)}; build it with the same groups. "
-                             "Nothing was loaded")
+        _agree(lambda: verify(repr(path), sums, {**checksums(state["model"], "/model"),
+                                                  **checksums(state["optim"], "/optim")}))
         model.load_state_dict(state["model"])
         optimizer.load_sharded_state_entries(state["optim"], meta["optim_values"], meta["param_groups"])
     elif with_optim:
         assert optimizer is not None
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": _clone(model_state), "optim": _clone(optim_state)}
-        with _named_failures("shardopt::checkpoint::load"):
+        _check_model_tensors(path, state["model"])
+        with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         state = {"model": _clone(get_model_state_dict(model))}
-        with _named_failures("shardopt::checkpoint::load"):
+        _check_model_tensors(path, state["model"])
+        with _named_failures("shardopt::checkpoint::load", reading=path):
             dcp.load(state, checkpoint_id=path)
         if kind == "oss":
-            _verify(repr(path), {k: v for k, v in sums.items() if k.startswith("/model")},
-                    _checksums(state["model"], "/model"))
+            verify(repr(path), {k: v for k, v in sums.items() if k.startswith("/model")},
+                    checksums(state["model"], "/model"))
         set_model_state_dict(model, state["model"])
     return dict(meta["extra"])

@@ -291,8 +291,8 @@ def test_integrity_corruption_and_mismatches_fail_before_anything_is_loaded(tmp_
     del blob["checksums"]
     torch.save(blob, tmp_path / "bad_optim.pt")
     target_opt = torch.optim.Adam(target.parameters(), lr=1e-2)
-    with pytest.raises(ValueError, match=r"optimizer state 'exp_avg' of parameter 0 has shape \(3,\) but the "
-                                         r"parameter has \(16, 8\).*Nothing was loaded"):
+    with pytest.raises(ValueError, match=r"optimizer state 'exp_avg' of parameter 0 has shape \(3,\) in the "
+                                         r"checkpoint but the parameter has \(16, 8\).*Nothing was loaded"):
         checkpoint.load_consolidated(str(tmp_path / "bad_optim.pt"), target, target_opt)
     assert all(torch.equal(a, b) for a, b in zip(target.parameters(), before)) and not target_opt.state
     # a file without checksums (format /1) still loads

@@ -30,6 +30,7 @@ from shardopt import comm
 from shardopt.agreement import check_agreement
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
 from shardopt.partition import Partition, partition_by_size
+from shardopt.state_checks import check_state_fits
 
 __all__ = ["OSS"]
 
@@ -164,8 +165,7 @@ class OSS(Optimizer):
         self._consolidated: dict[str, Any] | None = None
         self._parked: StateByIndex = {}
         if any(p.is_meta for p in self.params):
-            raise ValueError("OSS got parameters on the meta device, with no values to optimize: materialise the "
-                             "model first (module.to_empty(device=...), then re-initialise it)")
+            raise ValueError("OSS got meta-device parameters: call module.to_empty(device=...) and re-initialise first")
         self._check_same_params_on_all_ranks()
         check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__)], group,
                         "pass the same OSS arguments on every rank")  # Note [agree before the first collective]
@@ -498,7 +498,8 @@ class OSS(Optimizer):
 
         Raises:
             ValueError: the dict is not an optimizer state dict, or its groups, parameter
-                counts or state indices do not match this optimizer.
+                counts, state indices or state shapes do not match (checked first).
+            TypeError: a state entry is not a dict.
         """
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if (not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict)
@@ -518,10 +519,11 @@ class OSS(Optimizer):
         if unknown:
             raise ValueError(f"state_dict['state'] has entries {unknown[:5]} that no param group lists; "
                              "load a state dict saved from the same model and param groups")
+        params, owners = self.params, self._partition.owners
+        check_state_fits(state_dict["state"], to_index, params)  # before anything changes
         for g, saved in zip(self.param_groups, groups):
             g.update(_hyper(saved))
         state = {to_index[k]: s for k, s in state_dict["state"].items()}
-        params, owners = self.params, self._partition.owners
         position = {p: i for i, p in enumerate(params)}
         local_groups = [
             {**_hyper(g), "params": [position[p] for p in sg["params"]]}
@@ -559,13 +561,8 @@ class OSS(Optimizer):
         return tensors, values
 
     def sharded_state_template(self, saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
-        """Empty tensors for the saved entries this rank owns under the current partition
-        (frozen parameters included), for ``dcp.load`` to fill.
-
-        Args:
-            saved: every saved tensor entry's shape and dtype, keyed as in
-                :meth:`sharded_state_entries`.
-        """
+        """Empty tensors, for ``dcp.load`` to fill, for the ``saved`` entries (shape and dtype by
+        key, as in :meth:`sharded_state_entries`) this rank owns now, frozen parameters included."""
         params = self.params
         template: dict[str, torch.Tensor] = {}
         for key, (shape, dtype) in saved.items():

@@ -1,0 +1,199 @@
+"""Checks of saved state: checksums, and whether it fits a model and an optimizer.
+
+Pure functions over state dicts and shapes, used by :mod:`shardopt.checkpoint` and
+``OSS.load_state_dict`` before they change anything; internal, not a public API.
+
+Note [checkpoint integrity]
+Every record carries a CRC-32, computed when it is saved and verified when it is loaded: a
+tensor's bytes, or the ``repr`` of a plain value (number, string, bool, None). A
+consolidated file checks every model, optimizer and ``extra`` record (hyperparameters and
+step counters included). A sharded folder checks its metadata file as a whole (which holds
+the hyperparameters, non-tensor state and ``extra``) and, for OSS, every tensor it writes:
+each optimizer entry is written whole by its owner and the replicated model tensors once,
+so what a load reads is byte-identical to what was saved at any world size; each rank
+checks what it read and the ranks agree before any of them changes anything.
+``ShardedTensor`` and ``DTensor`` pieces (ZeRO-3, FSDP2) and DDP's plain state are resliced
+at another world size, so they rely on dcp alone. CRC-32 (zlib) finds flipped bits and torn
+writes at memory speed; it is not a defence against deliberate tampering.
+A load first reads and checks everything (names, shapes, checksums, optimizer groups and
+state shapes) and only then changes the model and the optimizer, so a failed load leaves
+both as they were (a ZeRO-3 load reads into the live shards after dcp has checked every
+size). Files written in formats ``/1`` (no checksums) and ``/2`` (tensor checksums only,
+no group sizes) still load, with the checks their records allow.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "check_indexed_state",
+    "check_model_state",
+    "check_optimizer_state",
+    "check_state_fits",
+    "checksums",
+    "meta_crc",
+    "shapes",
+    "state_fits",
+    "verify",
+]
+
+PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
+"""Values whose ``repr`` is checksummed (exact for floats, the same in every process)."""
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(data.tobytes()) & 0xFFFFFFFF
+
+
+def checksums(obj: Any, prefix: str = "", values: bool = False) -> dict[str, int]:
+    """CRC-32 of every plain tensor inside ``obj`` (dicts, lists, tuples), keyed by path; with
+    ``values``, of every plain value's ``repr`` too (exact for floats, the same in every process)."""
+    out: dict[str, int] = {}
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is torch.Tensor or isinstance(obj, nn.Parameter):
+            out[prefix] = _crc(obj)
+    elif values and isinstance(obj, PLAIN_VALUES):
+        out[prefix] = zlib.crc32(repr(obj).encode()) & 0xFFFFFFFF
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            out.update(checksums(value, f"{prefix}/{key}", values))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            out.update(checksums(value, f"{prefix}/{i}", values))
+    return out
+
+
+def verify(where: str, saved: Mapping[str, int], loaded: Mapping[str, int]) -> None:
+    """Compare the records read (``loaded``) with the checksums saved for them."""
+    bad = [k for k, crc in saved.items() if k in loaded and loaded[k] != crc]
+    if bad:
+        raise ValueError(f"checkpoint {where} is corrupted: {len(bad)} record(s) fail their checksum, first "
+                         f"{bad[0].lstrip('/')!r}; restore it from a backup or an earlier checkpoint. "
+                         "Nothing was loaded")
+
+
+def meta_crc(meta: Mapping[str, Any]) -> int:
+    return zlib.crc32(pickle.dumps({k: v for k, v in meta.items() if k != "meta_crc"}, protocol=4)) & 0xFFFFFFFF
+
+
+def shapes(state: Mapping[str, Any]) -> dict[str, torch.Size | None]:
+    """The shape of every tensor of a flat state dict (``None`` for other values)."""
+    return {k: v.shape if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+
+
+def check_model_state(where: str, expected: Mapping[str, torch.Size | None],
+                       saved: Mapping[str, torch.Size | None]) -> None:
+    """Names and shapes saved against the model's own (``expected``), strict."""
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    wrong = [(k, tuple(a), tuple(b)) for k, b in expected.items()
+             if (a := saved.get(k)) is not None and b is not None and a != b]
+    if missing or unexpected or wrong:
+        parts = ([f"missing {missing[:5]}"] if missing else []) + ([f"unexpected {unexpected[:5]}"] if unexpected else [])
+        parts += [f"{k!r} has shape {a} in the checkpoint but {b} in the model" for k, a, b in wrong[:3]]
+        raise ValueError(f"checkpoint {where} does not fit this model ({'; '.join(parts)}); load it into the model "
+                         "it was saved from (same architecture and configuration). Nothing was loaded")
+
+
+def check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: Any,
+                           shapes: list[torch.Size] | Mapping[str, torch.Size]) -> None:
+    """Groups, parameter counts and per-parameter state shapes, before anything is loaded.
+
+    ``shapes`` are the parameters' full shapes, by index (state keyed by index) or by name.
+    State shapes follow :func:`state_fits` (element-wise or factored).
+    """
+    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
+    if not isinstance(groups, (list, tuple)) or not isinstance(osd.get("state"), Mapping):
+        raise ValueError(f"checkpoint {where} holds no optimizer state dict ('state' and 'param_groups'); "
+                         "pass optimizer=None to load the model only")
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g["params"]) for g in groups]
+    if ours != theirs:
+        raise ValueError(f"checkpoint {where} has optimizer groups of sizes {theirs} but the optimizer has {ours}; "
+                         "build the optimizer with the same param groups as the one that was saved. Nothing was loaded")
+    ids = [pid for g in groups for pid in g["params"]]
+    position = {pid: i for i, pid in enumerate(ids)}
+    for key, entry in osd["state"].items():
+        if key not in position:
+            raise ValueError(f"checkpoint {where}: optimizer state entry {key!r} is in no param group; "
+                             "the file is inconsistent. Nothing was loaded")
+        shape = shapes[key] if isinstance(shapes, Mapping) else shapes[position[key]]
+        for name, value in entry.items():
+            if not state_fits(value, shape):
+                raise ValueError(
+                    f"checkpoint {where}: optimizer state {name!r} of parameter {key!r} has shape "
+                    f"{tuple(value.shape)} in the checkpoint but the parameter has {tuple(shape)}; the optimizer "
+                    "state belongs to another model or parameter order: build the optimizer over the same "
+                    "parameters in the same order. Nothing was loaded")
+
+
+def state_fits(value: Any, param_shape: torch.Size) -> bool:
+    """Whether one optimizer state value can belong to a parameter of ``param_shape``.
+
+    Scalars and non-tensors always fit. A tensor must have the parameter's number of
+    dimensions with every size equal to the parameter's or 1: element-wise state (momentum,
+    Adam's moments) has the parameter's shape, and factored state (``Adafactor``'s row and
+    column variances) keeps the parameter's dimensions with some of them 1.
+    """
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return True
+    return value.dim() == len(param_shape) and all(a in (b, 1) for a, b in zip(value.shape, param_shape))
+
+
+def check_state_fits(state: Mapping[Any, Any], to_index: Mapping[Any, int], params: tuple[torch.Tensor, ...]) -> None:
+    """Refuse a ``torch.optim`` state (``state_dict["state"]``) whose entries do not fit their
+    parameters (by :func:`state_fits`); ``to_index`` maps its keys to indices in ``params``."""
+    for key, entry in state.items():
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"state_dict['state'][{key!r}] is a {type(entry).__name__}, not a dict of state "
+                             "values; pass optimizer.state_dict() output")
+        shape = params[to_index[key]].shape
+        for name, value in entry.items():
+            if not state_fits(value, shape):
+                raise ValueError(
+                    f"state_dict['state'][{key!r}][{name!r}] has shape {tuple(value.shape)} but parameter "
+                    f"{to_index[key]} has shape {tuple(shape)}; load a state dict saved from the same model "
+                    "and param groups (in the same order). Nothing was loaded"
+                )
+
+
+def check_indexed_state(where: str, optimizer: torch.optim.Optimizer, shapes: list[torch.Size],
+                        meta: Mapping[str, Any], saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> None:
+    """Optimizer groups and every saved state entry's shape against the parameters, for state
+    saved by parameter index as ``"<index>.<name>"`` (OSS in a sharded folder).
+
+    Args:
+        where: the checkpoint, for messages.
+        optimizer: the optimizer to load into (its groups' sizes are compared).
+        shapes: the full shape of each of its parameters, by index.
+        meta: the folder's metadata (``group_sizes``; only ``param_groups`` in formats /1, /2).
+        saved: every saved entry's shape and dtype (from dcp's metadata, so every rank
+            reaches the same answer).
+
+    Raises:
+        ValueError: as :func:`check_optimizer_state`.
+    """
+    sizes = meta.get("group_sizes")
+    if sizes is None:  # format /1 or /2: only the number of groups was saved
+        if len(meta["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"checkpoint {where} has {len(meta['param_groups'])} optimizer param groups but the "
+                             f"optimizer has {len(optimizer.param_groups)}; build it with the same groups. "
+                             "Nothing was loaded")
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
+    groups, start = [], 0
+    for size in sizes:
+        groups.append({"params": list(range(start, start + size))})
+        start += size
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, (shape, dtype) in sorted(saved.items(), key=lambda item: int(item[0].split(".", 1)[0])):
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
+    check_optimizer_state(where, optimizer, {"state": state, "param_groups": groups}, shapes)
