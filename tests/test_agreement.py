@@ -76,7 +76,7 @@ EXPECTED = {
     "sdp_dtype": "reduce dtype is {} on rank 0 but {'torch.float32': 'torch.bfloat16'} on rank 1",
     "fsdp_order": "parameters (name, shape, dtype) in registration order is [('a.weight'",
     "fsdp_strategy": "sharding_strategy is 'FULL_SHARD' on rank 0 but 'SHARD_GRAD_OP' on rank 1",
-    "oss_meta": "OSS got parameters on the meta device",
+    "oss_meta": "OSS got meta-device parameters: call module.to_empty",
     "fsdp_sparse": "has sparse=True: FullyShardedDataParallel reduces dense gradients only",
     "still_works": "yes",
 }
