@@ -75,7 +75,7 @@ class ShardedGradScaler(GradScaler):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
-        process_group: Any | None = None,
+        process_group: comm.ProcessGroup | None = None,
         device: str | None = None,
     ) -> None:
         if device is None:

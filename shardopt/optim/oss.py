@@ -134,7 +134,7 @@ class OSS(Optimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         optim: type[Optimizer] = SGD,
-        group: Any | None = None,
+        group: comm.ProcessGroup | None = None,
         broadcast_buffer_size: int = -1,
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,

@@ -109,7 +109,7 @@ class ShardedDataParallel(nn.Module):
         self,
         module: nn.Module,
         sharded_optimizer: OSS | list[OSS],
-        process_group: Any | None = None,
+        process_group: comm.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         sync_models_at_startup: bool = True,
         reduce_buffer_size: int = 2**23,

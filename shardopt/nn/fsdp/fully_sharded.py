@@ -85,7 +85,7 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        process_group: Any = None,
+        process_group: comm.ProcessGroup | tuple[comm.ProcessGroup, comm.ProcessGroup] | None = None,
         sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
         mixed_precision: MixedPrecision | None = None,
         auto_wrap_policy: AutoWrapPolicy | None = None,
