@@ -33,7 +33,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from shardopt import comm
 from shardopt.nn.fsdp.flat_param import ParamSlot
-from shardopt.nn.fsdp.state_dict import piece_tensor
+from shardopt.nn.fsdp.state_dict import local_piece, piece_tensor
 from shardopt.nn.fsdp.unit import Unit
 
 __all__ = [
@@ -304,14 +304,8 @@ def load_sharded_optim_state_dict(
         entry: dict[str, Any] = {}
         for key, value in osd["state"].get(name, {}).items():
             if isinstance(value, ShardedTensor):
-                local = value.local_shards()
-                value = local[0].tensor.reshape(-1) if local else torch.empty(0, dtype=value.dtype)
-                if value.numel() != p.numel():
-                    raise ValueError(
-                        f"sharded optimizer entry {name!r}/{key!r} holds {value.numel()} elements on this rank "
-                        f"but its piece has {p.numel()}; build the load target with this model's "
-                        "sharded_optim_state_dict(optim)"
-                    )
+                value = local_piece(value, p, f"sharded optimizer entry {name!r}/{key!r}",
+                                    "build the load target with this model's sharded_optim_state_dict(optim)")
             entry[key] = value.clone().to(p.device) if isinstance(value, torch.Tensor) else value
         if entry:
             state[index] = entry

@@ -42,7 +42,7 @@ from shardopt.nn.fsdp.flat_param import ParamSlot
 from shardopt.nn.fsdp.records import TrainingState
 from shardopt.nn.fsdp.unit import Unit
 
-__all__ = ["WRAPPED", "ParentLoad", "clean_name", "load_sharded", "piece_tensor", "sharded_state"]
+__all__ = ["WRAPPED", "ParentLoad", "clean_name", "load_sharded", "local_piece", "piece_tensor", "sharded_state"]
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute under which a wrapper holds its module (one level in raw parameter names)."""
@@ -51,6 +51,21 @@ WRAPPED = "_fsdp_wrapped_module"
 def clean_name(name: str) -> str:
     """A parameter/buffer name without the wrapper levels FSDP inserted."""
     return name.replace(WRAPPED + ".", "")
+
+
+def local_piece(value: ShardedTensor, param: torch.Tensor, what: str, fix: str) -> torch.Tensor:
+    """This rank's 1-D piece of a sharded entry (empty where it holds none), which must have
+    as many elements as ``param`` (this rank's piece of the parameter).
+
+    Raises:
+        ValueError: another number of elements (a load target of another layout); ``what``
+            names the entry and ``fix`` says what to do.
+    """
+    local = value.local_shards()
+    piece = local[0].tensor.reshape(-1) if local else torch.empty(0, dtype=value.dtype)
+    if piece.numel() != param.numel():
+        raise ValueError(f"{what} holds {piece.numel()} elements on this rank but its piece has {param.numel()}; {fix}")
+    return piece
 
 
 class ParentLoad:
@@ -161,13 +176,8 @@ def load_sharded(units: list[Unit], named_params: dict[str, nn.Parameter],
         for name, param in named_params.items():
             value, unit = state[name], where.get(id(param))
             if isinstance(value, ShardedTensor):
-                local = value.local_shards()
-                piece = local[0].tensor.reshape(-1) if local else torch.empty(0, dtype=param.dtype)
-                if piece.numel() != param.numel():
-                    raise ValueError(
-                        f"sharded entry {name!r} holds {piece.numel()} elements on this rank but its piece has "
-                        f"{param.numel()}; use this model's own sharded_state_dict() as the load target"
-                    )
+                piece = local_piece(value, param, f"sharded entry {name!r}",
+                                    "use this model's own sharded_state_dict() as the load target")
                 param.reshape(-1).copy_(piece)
             elif unit is not None and unit.handle is not None:
                 param.reshape(-1).copy_(value.reshape(-1))
