@@ -34,6 +34,29 @@ all-reduce does per step (two all-gathers and this), SHARD_GRAD_OP 1.0x, as in t
 paper. With two ranks the sum of two copies is DDP's sum, bit for bit. Other backends use
 their own reduce-scatter.
 
+Note [device tensors on gloo]
+gloo moves bytes over TCP from host memory: it has no all-to-all at all for device tensors
+("Backend gloo does not support alltoall", seen with CUDA tensors on an H100, torch 2.11),
+and its point-to-point calls read the pointer they are given. Several ranks sharing one GPU
+over gloo is still a real setup (tests, one-GPU experiments), so on gloo the point-to-point
+paths stage device tensors: each send is copied to host first (a blocking copy, so the
+device work that produced it has finished) and each receive lands in a host tensor that
+:class:`_AllOf` copies back to the device when the record is waited. The arithmetic (which
+copies are summed, in which order) is the CPU path's, so results match it bit for bit.
+NCCL never takes this path.
+
+Note [waiting beside the work]
+A gloo wait cannot be sliced with a timeout: for a point-to-point transfer a timed wait that
+runs out closes the TCP pair ("Application timeout caused pair closure" on the next wait),
+so any peer more than one slice late broke the step (seen on an H100 machine, where spawned
+ranks start seconds apart, and reproduced on a CPU with a peer 1.6 s late). So one daemon
+thread per process blocks in torch's ``wait()`` (which releases the GIL), in issue order,
+and the caller waits on its event in slices of ``WATCH_SLICE_S``, reading the failure
+board between them. A peer that is merely late costs nothing; one that reported a failure
+ends the wait within a slice. After such an error the thread may stay blocked in a wait
+that can never complete; it holds only that work and dies with the process. Cost: one
+thread handoff per wait, tens of microseconds.
+
 Note [release scratch buffers]
 When ``work.wait()`` returns, the backend's worker thread may still hold its reference to
 the buffers for a moment (gloo drops it after signalling completion), so letting the last
@@ -49,6 +72,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+import os
+import queue
+import threading
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -135,25 +161,59 @@ def _is_gloo(group: ProcessGroup | None) -> bool:
 
 report_failure = failures.report_failure
 
-_SLICE = timedelta(seconds=failures.WATCH_SLICE_S)
-_SLICE_EXPIRED = "Operation timed out"  # gloo's message for a timed wait that ran out
+class _Waiter:
+    """A daemon thread that blocks in torch's ``wait()`` for this process, so the caller can
+    wait in slices and watch the failure board (Note [waiting beside the work])."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._queue: queue.SimpleQueue[tuple[Any, _Ticket]] = queue.SimpleQueue()
+
+    def submit(self, work: Any) -> _Ticket:
+        if self._pid != os.getpid():  # first use, or a forked child: the thread is not here
+            self._pid, self._queue = os.getpid(), queue.SimpleQueue()
+            threading.Thread(target=self._run, args=(self._queue,), name="shardopt-wait", daemon=True).start()
+        ticket = _Ticket()
+        self._queue.put((work, ticket))
+        return ticket
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[tuple[Any, _Ticket]]) -> None:
+        while True:
+            work, ticket = jobs.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                ticket.error = exc
+            ticket.done.set()
+
+
+@dataclass
+class _Ticket:
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+_WAITER = _Waiter()
 
 
 def _wait_work(work: Any, label: str, watched: bool) -> None:
-    """Wait for ``work``; on gloo in slices, reading the failure board between them (Note
+    """Wait for ``work``; on gloo beside it, reading the failure board every slice (Note
     [failure board] in ``failures``). Any failure becomes a :class:`CollectiveError`."""
-    while True:
+    if not watched:
         try:
-            if watched:
-                work.wait(_SLICE)
-            else:
-                work.wait()
-            return
+            work.wait()
         except RuntimeError as exc:
-            if not (watched and _SLICE_EXPIRED in str(exc)):
-                raise failures.collective_error(label, exc) from exc
+            raise failures.collective_error(label, exc) from exc
+        return
+    ticket = _WAITER.submit(work)
+    while not ticket.done.wait(failures.WATCH_SLICE_S):
         if failures.any_reported():
             raise failures.collective_error(label, "another rank reported a failure")
+    if ticket.error is not None:
+        if not isinstance(ticket.error, RuntimeError):
+            raise ticket.error
+        raise failures.collective_error(label, ticket.error) from ticket.error
 
 
 @contextmanager
@@ -213,10 +273,14 @@ def wait_all(pending: Iterable[PendingWork]) -> None:
 
 
 class _AllOf:
-    """Several of torch's works, waited as one in the order they were posted."""
+    """Several of torch's works, waited as one in the order they were posted; then the
+    host copies of device receives are copied back (Note [device tensors on gloo])."""
 
-    def __init__(self, works: list[Any]) -> None:
+    def __init__(self, works: list[Any], copy_back: list[tuple[torch.Tensor, torch.Tensor]],
+                 staged_sends: list[torch.Tensor]) -> None:
         self._works = works
+        self._copy_back = copy_back
+        self._staged_sends = staged_sends  # alive until the sends complete
 
     def wait(self, timeout: timedelta | None = None) -> None:
         while self._works:
@@ -225,6 +289,13 @@ class _AllOf:
             else:
                 self._works[0].wait(timeout)
             self._works.pop(0)
+        for target, staged in self._copy_back:
+            target.copy_(staged)
+        self._copy_back, self._staged_sends = [], []
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.device.type == "cpu" else torch.empty(tensor.shape, dtype=tensor.dtype)
 
 
 def _post(
@@ -233,10 +304,24 @@ def _post(
     group: ProcessGroup | None,
     tag: int,
 ) -> _AllOf:
-    """Post every receive, then every send (group ranks); empty tensors are skipped."""
-    works = [dist.irecv(t, _global(group, src), group=group, tag=tag) for t, src in recvs if t.numel()]
-    works += [dist.isend(t, _global(group, dst), group=group, tag=tag) for t, dst in sends if t.numel()]
-    return _AllOf(works)
+    """Post every receive, then every send (group ranks); empty tensors are skipped. Device
+    tensors travel through host copies (Note [device tensors on gloo])."""
+    works: list[Any] = []
+    copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+    staged_sends: list[torch.Tensor] = []
+    for t, src in recvs:
+        if t.numel():
+            staged = _on_host(t)
+            if staged is not t:
+                copy_back.append((t, staged))
+            works.append(dist.irecv(staged, _global(group, src), group=group, tag=tag))
+    for t, dst in sends:
+        if t.numel():
+            if t.device.type != "cpu":
+                t = t.cpu()
+                staged_sends.append(t)
+            works.append(dist.isend(t, _global(group, dst), group=group, tag=tag))
+    return _AllOf(works, copy_back, staged_sends)
 
 
 def peers(rank: int, size: int) -> list[int]:
@@ -247,9 +332,19 @@ def peers(rank: int, size: int) -> list[int]:
 def prefers_point_to_point(group: ProcessGroup | None, device: torch.device) -> bool:
     """Whether bulk data for ``device`` moves fastest point to point on ``group``.
 
-    True for CPU tensors on gloo with more than one rank (Note [gloo point to point]).
+    True on gloo with more than one rank (Note [gloo point to point]); device tensors then
+    travel through host copies (Note [device tensors on gloo]).
     """
-    return device.type == "cpu" and group_size(group) > 1 and str(dist.get_backend(group)) == "gloo"
+    return group_size(group) > 1 and str(dist.get_backend(group)) == "gloo"
+
+
+def default_device(group: ProcessGroup | None) -> torch.device:
+    """Where a module built on the meta device is materialised for ``group``: the current CUDA
+    device on NCCL, else the CPU (a gloo group on a machine with GPUs trains on the CPU
+    unless the module is moved there by the caller, e.g. with ``param_init_fn``)."""
+    if str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def require_initialized(who: str) -> None:

@@ -14,8 +14,9 @@ every rank already shares):
   the others' reports; a rank that reports nothing within it has left (exited, was killed
   or is stuck elsewhere);
 * on gloo, :class:`~shardopt.comm.PendingWork` waits in slices of
-  :data:`WATCH_SLICE_S` and reads the board's counter between slices, so a rank waiting
-  on a peer that reported a failure ends within a slice, not the group timeout.
+  :data:`WATCH_SLICE_S` beside a thread blocked in the backend's wait (Note [waiting
+  beside the work] in ``comm``) and reads the board's counter between slices, so a rank
+  waiting on a peer that reported a failure ends within a slice, not the group timeout.
 
 The resulting :class:`CollectiveError` names this rank, the shardopt operation (from the
 profiler label, e.g. "ShardedDataParallel's gradient reduction of bucket 3") and the rank

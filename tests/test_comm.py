@@ -107,3 +107,34 @@ def _compare(rank: int, world_size: int) -> dict[str, Any]:
 def test_point_to_point_paths_equal_torch_collectives(world_size: int) -> None:
     for r in run_ranks(_compare, world_size, timeout_s=60):
         assert r == {"pieces": True, "same": True, "filled": True, "exchange": True, "used_p2p": True}, r
+
+
+def _late_peers(rank: int, world_size: int) -> list[float]:
+    """Each point-to-point path waited while a peer arrives 1.2 s (over two watch slices) late."""
+    import time
+
+    got: list[float] = []
+    for late in range(world_size):
+        if rank == late:
+            time.sleep(1.2)
+        out = torch.empty(world_size * 4)
+        comm.all_gather_into(out, torch.full((4,), float(rank)), None, "late gather").wait()
+        got.append(out.sum().item())
+        rows = torch.empty(world_size * 3)
+        comm.all_to_all(rows, torch.full((world_size * 3,), float(rank + 1)), [3] * world_size, [3] * world_size,
+                        None, "late all_to_all").wait()
+        got.append(rows.sum().item())
+        summed = torch.empty(2)
+        comm.reduce_scatter(summed, torch.ones(2 * world_size), None, "late reduce_scatter").wait()
+        got.append(summed.sum().item())
+    return got
+
+
+def test_a_peer_arriving_seconds_late_is_waited_for_not_an_error() -> None:
+    # Before, a gloo point-to-point wait sliced with a timeout closed the TCP pair when the
+    # slice ran out: any peer over 0.5 s late failed the collective (Note [waiting beside the work]).
+    world_size = 3
+    gather = 4 * sum(range(world_size))
+    to_all = 3 * sum(r + 1 for r in range(world_size))
+    expected = [float(gather), float(to_all), float(2 * world_size)] * world_size
+    assert run_ranks(_late_peers, world_size, timeout_s=30) == [expected] * world_size
