@@ -35,11 +35,13 @@ from shardopt.failures import report_failure
 __all__ = ["RankFailure", "RankTimeout", "run_ranks"]
 
 _FAILURE_GRACE_S = 5.0
+_STARTUP_LIMIT_S = 120.0  # to start every rank and join the group, before ``timeout_s`` counts
 
 # Note [fork safety]
 # Forking a process whose OpenMP/intra-op thread pool has started can deadlock the child
 # (libgomp is not fork-safe), and CUDA cannot be used in a forked child once the parent has
-# initialised it. A parent that has set torch to one thread and never touched CUDA forks
+# initialised it, nor run backward once it has run one in the parent (autograd's device
+# threads). A parent on a machine without CUDA that has set torch to one thread forks
 # safely, and a fork costs ~0.05 s against ~1 s for a spawn that re-imports torch.
 
 
@@ -116,6 +118,7 @@ def _rank_main(rank: int, job: _RankJob, results: Any) -> None:
             world_size=job.world_size,
             timeout=timedelta(seconds=job.timeout_s),
         )
+        results.put((rank, None, None))  # joined: the parent's wall clock starts for this run
         try:
             value = job.fn(rank, job.world_size, *job.args)
         except BaseException as exc:
@@ -133,16 +136,14 @@ def _rank_main(rank: int, job: _RankJob, results: Any) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
-def _default_backend(world_size: int) -> str:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
-
-
 def _fork_is_safe() -> bool:
     if not sys.platform.startswith("linux"):
         return False
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available():
+        # Once the parent has run a backward pass, autograd's per-device worker threads exist
+        # and a forked child's backward raises "Unable to handle autograd's threading in
+        # combination with fork-based multiprocessing" (seen on an H100 machine; CPU-only
+        # builds start no such threads). Whether they exist cannot be asked, so spawn.
         return False
     return torch.get_num_threads() == 1
 
@@ -162,9 +163,12 @@ def run_ranks(
             importable (defined at module level).
         world_size: number of ranks (>= 1).
         *args: extra arguments passed to ``fn`` on every rank (picklable for spawn).
-        backend: ``"gloo"`` or ``"nccl"``; default NCCL when there is one CUDA device per
-            rank, else gloo.
-        timeout_s: the process group timeout and the wall-clock limit of the whole run.
+        backend: ``"gloo"`` (default) or ``"nccl"`` (rank ``r`` uses CUDA device ``r``).
+            The tensors' device is the function's choice, so the backend is never guessed
+            from the machine: CPU tensors on an NCCL group fail.
+        timeout_s: the process group timeout, and the wall-clock limit of the run counted
+            from when every rank has joined the group (starting the ranks and joining have
+            a separate limit of 120 s).
         threads_per_rank: intra-op threads per rank.
 
     Returns:
@@ -183,7 +187,7 @@ def run_ranks(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    backend = backend or _default_backend(world_size)
+    backend = backend or "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     ctx: Any = mp.get_context("fork" if backend == "gloo" and _fork_is_safe() else "spawn")
@@ -194,13 +198,22 @@ def run_ranks(
         for p in procs:
             p.start()
         outcome: dict[int, tuple[bool, Any]] = {}
-        # The group timeout should fire first and name the cause; the grace lets it.
-        deadline = time.monotonic() + timeout_s + min(10.0, 1.0 + 0.25 * timeout_s)
+        ready: set[int] = set()
+        # The group timeout should fire first and name the cause; the grace lets it. The
+        # clock starts once every rank has joined the group (a spawned rank takes seconds
+        # to import torch on a loaded machine); until then startup has its own limit.
+        grace_s = min(10.0, 1.0 + 0.25 * timeout_s)
+        deadline = time.monotonic() + _STARTUP_LIMIT_S + timeout_s + grace_s
         try:
             while len(outcome) < world_size:
                 try:
                     rank, ok, value = results.get(timeout=0.2)
-                    outcome[rank] = (ok, value)
+                    if ok is None:  # joined the group
+                        ready.add(rank)
+                        if len(ready) == world_size:
+                            deadline = min(deadline, time.monotonic() + timeout_s + grace_s)
+                    else:
+                        outcome[rank] = (ok, value)
                     continue
                 except queue.Empty:
                     pass
@@ -210,7 +223,8 @@ def run_ranks(
                     while True:
                         try:
                             rank, ok, value = results.get_nowait()
-                            outcome[rank] = (ok, value)
+                            if ok is not None:
+                                outcome[rank] = (ok, value)
                         except queue.Empty:
                             break
                     for r in dead:

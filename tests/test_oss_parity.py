@@ -182,6 +182,5 @@ def _cuda_single_rank(rank: int, world_size: int) -> tuple[float, float]:
 
 @pytest.mark.gpu
 def test_oss_on_cuda_with_fp32_and_bf16_params_matches_torch_at_one_rank() -> None:
-    # NOTE: written without a GPU at hand; run on a CUDA machine (NCCL, one rank).
-    (result,) = run_ranks(_cuda_single_rank, 1, timeout_s=120)
+    (result,) = run_ranks(_cuda_single_rank, 1, backend="nccl", timeout_s=120)
     assert result == (0.0, 0.0), result

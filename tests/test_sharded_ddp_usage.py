@@ -281,6 +281,7 @@ def test_no_sync_nested_params_used_only_inside_it_and_freezing_mid_accumulation
 def _reduce_on_one_rank(rank: int, world_size: int) -> str:
     # A group with a 1 s timeout: what a user's process-group timeout does, without waiting long.
     group = torch.distributed.new_group(list(range(world_size)), timeout=timedelta(seconds=1))
+    torch.distributed.barrier()  # aligned first: spawned ranks can start more than 1 s apart
     model = seeded_mlp()
     opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, group=group)
     sdp = ShardedDataParallel(model, opt)

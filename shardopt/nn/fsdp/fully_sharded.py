@@ -115,7 +115,7 @@ class FullyShardedDataParallel(nn.Module):
             forward_prefetch, backward_prefetch, limit_all_gathers,
         )
         ignored = {id(m) for top in (ignored_modules or ()) for m in top.modules()}
-        materialize(module, param_init_fn)
+        materialize(module, param_init_fn, comm.default_device(config.shard_group))
         check_sparse(module)
         # Note [agree before the first collective] in shardopt.agreement: a rank whose
         # parameters are registered in another order would fill the flat layout differently.

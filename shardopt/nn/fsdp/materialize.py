@@ -13,11 +13,11 @@ from torch import nn
 __all__ = ["check_sparse", "materialize"]
 
 
-def materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> None:
+def materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None, device: torch.device) -> None:
     """Materialise a module built on the meta device (warn when ``param_init_fn`` is unused).
 
-    Without ``param_init_fn`` the module is moved with ``to_empty`` (current CUDA device, or
-    CPU) and every submodule's ``reset_parameters()`` runs, in module order. Parameters
+    Without ``param_init_fn`` the module is moved with ``to_empty`` to ``device`` (see
+    :func:`shardopt.comm.default_device`) and every submodule's ``reset_parameters()`` runs, in module order. Parameters
     shared by several modules stay shared (the first registration's tensor is kept).
 
     Raises:
@@ -49,7 +49,6 @@ def materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | 
         param_init_fn(module)
         retie()
     else:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         module.to_empty(device=device)
         retie()
         for sub in module.modules():
