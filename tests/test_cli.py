@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardopt.nn.fsdp
@@ -87,6 +88,9 @@ BAD_ARGUMENTS = [
     (["estimate", "--model", "no_such_module:make", "--world-size", "2"], "cannot load 'make'"),
     (["estimate", "--model", "os:getcwd", "--world-size", "2"], "returned str, not an nn.Module"),
     (["estimate", "--model", "torch.nn:ReLU", "--world-size", "2"], "has no parameters"),
+    (["demo", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["bench", "--device", "cuda"], "--device cuda: torch sees no CUDA device here"),
+    (["demo", "--device", "cuda"], "--device cuda: torch sees no CUDA device here"),
 ]
 
 
@@ -95,6 +99,7 @@ def test_bad_arguments_end_in_one_line_and_exit_code_2(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "fairscale", None)  # an import of it now fails: a missing peer
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.delattr(shardopt.nn.fsdp, "FullyShardedDataParallel")  # a shardopt build without ZeRO-3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
     _assert_one_line_errors(BAD_ARGUMENTS, capsys)
 
 
@@ -394,3 +399,11 @@ def test_demo_on_one_gpu_reports_device_memory(tmp_path: Any) -> None:
     data = _demo(tmp_path, "gpu", "--mode", "zero2", "--steps", "3", "--world-size", "1", "--warmup-steps", "1")
     rank = data["ranks"][0]
     assert rank["backend"] == "nccl" and rank["device_peak"] > 0 and rank["bytes_per_step"] is None
+
+
+@pytest.mark.gpu
+def test_demo_with_two_ranks_sharing_one_gpu_trains_on_it_over_gloo(tmp_path: Any) -> None:
+    data = _demo(tmp_path, "shared", "--mode", "zero2", "--steps", "3", "--world-size", "2", "--warmup-steps", "1",
+                 "--device", "cuda")
+    for rank in data["ranks"]:
+        assert rank["backend"] == "gloo" and rank["device_peak"] > 0 and rank["bytes_per_step"] > 0, rank

@@ -52,6 +52,7 @@ class BenchConfig:
         threads_per_rank: intra-op threads per rank.
         json_path: where to write the results as JSON, or ``None``.
         plot_path: where to draw the comparison (PNG, needs matplotlib), or ``None``.
+        device: where the ranks train (:data:`shardopt.app.runner.DEVICE_CHOICES`).
     """
 
     modes: tuple[str, ...]
@@ -66,6 +67,7 @@ class BenchConfig:
     threads_per_rank: int
     json_path: str | None = None
     plot_path: str | None = None
+    device: str = "auto"
 
 
 @record
@@ -78,7 +80,7 @@ def bench_rank(job: runner.TrainJob) -> list[dict[str, Any]] | None:
     Returns:
         On rank 0 every rank's report as dicts, else ``None``.
     """
-    runner.init_process_group_from_env()
+    runner.init_process_group_from_env(device=job.device)
     try:
         reports = runner.train(job)
         return [r.as_dict() for r in reports] if dist.get_rank() == 0 else None
@@ -144,7 +146,7 @@ def run_bench(config: BenchConfig) -> int:
                 params_path = os.path.join(tmp, f"{name}.pt")
                 job = runner.TrainJob(mode=name, preset=args.model, steps=args.steps, batch_size=args.batch_size,
                                       lr=args.lr, seed=args.seed, warmup_steps=args.warmup_steps,
-                                      params_out=params_path, threads_per_rank=threads)
+                                      params_out=params_path, threads_per_rank=threads, device=args.device)
                 where = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
                 with console.status(f"bench: {name} on {world} ranks ({args.steps} steps){where}"):
                     ranks = run_launched("bench", bench_rank, world, job)[0]

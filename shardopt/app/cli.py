@@ -29,7 +29,7 @@ from shardopt.app.launch import run_launched, under_torchrun
 from shardopt.memory import estimate_model_states
 from shardopt.app.models import PRESETS
 from shardopt.app.modes import MODES, get_mode
-from shardopt.app.runner import TrainJob
+from shardopt.app.runner import DEVICE_CHOICES, TrainJob
 
 __all__ = ["main"]
 
@@ -108,6 +108,10 @@ def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: st
     p.add_argument("--threads-per-rank", type=_thread_count, default=None,
                    help="intra-op threads per rank (default: CPU cores / ranks)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="auto: NCCL with one GPU per local rank when there are enough GPUs, else gloo on the CPU; "
+                   "cuda: GPUs even when local ranks must share them (gloo then); cpu: gloo on the CPU "
+                   "(default auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +190,12 @@ def _threads_per_rank(args: argparse.Namespace, world: int) -> int:
     return max(1, (os.cpu_count() or 1) // local)
 
 
+def _check_device(command: str, args: argparse.Namespace) -> None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        _fail(command, "--device cuda: torch sees no CUDA device here (a CPU build of torch, or no GPU); "
+              "use --device auto or cpu")
+
+
 def _check_mode(command: str, name: str) -> None:
     reason = get_mode(name).unavailable()
     if reason is not None:
@@ -197,6 +207,7 @@ def _check_mode(command: str, name: str) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     world = _resolve_world("demo", args)
+    _check_device("demo", args)
     _check_mode("demo", args.mode)
     _check_needs_checkpoint(args)
     mode = get_mode(args.mode)
@@ -213,7 +224,7 @@ def _demo(args: argparse.Namespace) -> int:
         mode=args.mode, preset=args.model, steps=args.steps, batch_size=args.batch_size,
         grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp,
         warmup_steps=args.warmup_steps, checkpoint_path=checkpoint_path, resume=args.resume or args.resume_if_exists,
-        save_every_steps=args.save_every, threads_per_rank=_threads_per_rank(args, world),
+        save_every_steps=args.save_every, threads_per_rank=_threads_per_rank(args, world), device=args.device,
     )
     if job.resume and checkpoint_path and os.path.exists(checkpoint_path):
         _check_checkpoint(job)
@@ -292,6 +303,7 @@ def _bench(args: argparse.Namespace) -> int:
     if under_torchrun():
         _fail("bench", "bench starts its own process groups, one per mode; run it directly, not under torchrun")
     world = _resolve_world("bench", args)
+    _check_device("bench", args)
     if args.steps <= args.warmup_steps:
         _fail("bench", f"--steps {args.steps} leaves nothing to measure after --warmup-steps {args.warmup_steps}; "
               f"use --steps >= {args.warmup_steps + 8} for a median over 8 steps")
@@ -318,6 +330,7 @@ def _bench(args: argparse.Namespace) -> int:
         modes=tuple(names), model=args.model, steps=args.steps, warmup_steps=args.warmup_steps,
         batch_size=args.batch_size, lr=args.lr, seed=args.seed, rounds=args.rounds, world_size=world,
         threads_per_rank=_threads_per_rank(args, world), json_path=args.json, plot_path=args.plot,
+        device=args.device,
     ))
 
 

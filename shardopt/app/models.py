@@ -69,6 +69,8 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(seq_len=32, dim=32, num_layers=2, num_heads=2),
     "small": GPTConfig(seq_len=128, dim=128, num_layers=4, num_heads=4),
     "27m": GPTConfig(seq_len=128, dim=528, num_layers=8, num_heads=8),
+    # GPT-2 medium's shape (without its 50k-token vocabulary): for a GPU.
+    "300m": GPTConfig(seq_len=512, dim=1024, num_layers=24, num_heads=16),
 }
 
 

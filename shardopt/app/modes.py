@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -187,11 +188,15 @@ def _fairscale_builder(set_to_none: bool | None) -> Builder:
 
 def _fsdp2_builder(reshard_after_forward: bool) -> Builder:
     def build(module: nn.Module, lr: float, device: Any) -> Wrapped:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # fully_shard's default mesh is on CUDA whenever CUDA exists, which breaks gloo ranks
+        # training on the CPU of a GPU machine: name the device the ranks train on.
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for child in getattr(module, "blocks", []):
-            fully_shard(child, reshard_after_forward=reshard_after_forward)
-        fully_shard(module, reshard_after_forward=reshard_after_forward)
+            fully_shard(child, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
         opt = torch.optim.Adam(module.parameters(), lr=lr)
         return Wrapped(module, module, opt, _plain_no_sync, lambda: opt.zero_grad(set_to_none=True),
                        sharded_params=True)

@@ -97,7 +97,7 @@ def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any
     Returns:
         On global rank 0 every rank's report as dicts; ``None`` on other ranks.
     """
-    runner.init_process_group_from_env()
+    runner.init_process_group_from_env(device=job.device)
     try:
         rank = dist.get_rank()
         console = Console()

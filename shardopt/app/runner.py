@@ -55,6 +55,7 @@ class TrainJob:
         params_out: rank 0 saves the final full parameters here (``torch.save``), for comparisons.
         corpus_bytes: how much of the built-in corpus to read.
         threads_per_rank: intra-op threads per rank.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (see :func:`init_process_group_from_env`).
     """
 
     mode: str = "zero2"
@@ -72,6 +73,10 @@ class TrainJob:
     params_out: str | None = None
     corpus_bytes: int = 4 * 2**20
     threads_per_rank: int = 1
+    device: str = "auto"
+
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -137,28 +142,64 @@ class RankReport:
         return out
 
 
-def init_process_group_from_env(timeout_s: float = 600.0) -> torch.device:
+def init_process_group_from_env(timeout_s: float = 600.0, device: str = "auto") -> torch.device:
     """Join the process group described by torchrun-style environment variables.
 
-    Picks NCCL with one GPU per local rank when there are enough GPUs, else gloo (on the
-    loopback interface when there is one). Does nothing to the group when it exists.
+    ``device="auto"`` picks NCCL with one GPU per local rank when there are enough GPUs, else
+    gloo on the CPU; ``"cpu"`` always gloo on the CPU; ``"cuda"`` NCCL when there are enough
+    GPUs, else gloo with local rank ``r`` on GPU ``r % num_gpus`` (several ranks share a GPU;
+    gloo stages the bytes through host memory). gloo uses the loopback interface when there
+    is one. Does nothing to the group when it exists.
 
     Args:
         timeout_s: the collective timeout.
+        device: where the ranks train, one of :data:`DEVICE_CHOICES`.
 
     Returns:
-        The device this rank trains on.
+        The device this rank trains on (also what :func:`train` uses).
+
+    Raises:
+        ValueError: ``device`` is unknown, or ``"cuda"`` on a machine without CUDA.
     """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    elif "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+    backend, where = _placement(device)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return where
+
+
+def _placement(device: str) -> tuple[str, torch.device]:
+    """The backend and the device of this local rank for a ``device`` choice."""
+    if device not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {device!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus == 0:
+        raise ValueError("device='cuda' but torch sees no CUDA device; use device='auto' or 'cpu'")
+    if device != "cpu" and gpus >= local_world:
+        return "nccl", torch.device("cuda", local_rank)
+    if device == "cuda":
+        return "gloo", torch.device("cuda", local_rank % gpus)
+    return "gloo", torch.device("cpu")
+
+
+def _train_device(choice: str) -> torch.device:
+    """The device for ``choice`` in the group that exists: NCCL trains on its current GPU;
+    gloo on the CPU, or with ``"cuda"`` on a (shared) GPU."""
+    if choice not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {choice!r}")
+    if str(dist.get_backend()) == "nccl":
+        if choice == "cpu":
+            raise ValueError("device='cpu' but the process group uses NCCL, which moves only GPU tensors; "
+                             "use device='auto' or 'cuda', or a gloo group")
+        return torch.device("cuda", torch.cuda.current_device())
+    if choice == "cuda":
+        return _placement("cuda")[1]
+    return torch.device("cpu")
 
 
 def _make_scaler(job: TrainJob, device: torch.device) -> Any | None:
@@ -297,7 +338,7 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
         raise ValueError(f"unknown model preset {job.preset!r}; choose one of {sorted(PRESETS)}")
     torch.set_num_threads(job.threads_per_rank)
     rank, world = comm.group_rank(None), comm.group_size(None)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _train_device(job.device)
     cfg = PRESETS[job.preset]
     batches = CharBatches(stdlib_corpus(job.corpus_bytes), job.batch_size, cfg.seq_len, rank, job.seed)
     reason = mode.unavailable()  # also imports the mode's library now, so the baseline includes it
