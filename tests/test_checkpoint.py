@@ -96,15 +96,17 @@ def test_oss_state_saved_at_two_ranks_loads_identically_at_three_and_one(tmp_pat
 
 
 def _fsdp2_resume(rank: int, world_size: int, path: str) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     cfg_batches = CharBatches(_CORPUS, 2, 32, rank)
 
     def make(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         module = build_model("tiny", seed=seed)
+        mesh = init_device_mesh("cpu", (world_size,))  # the default mesh is CUDA's wherever CUDA exists
         for block in module.blocks:
-            fully_shard(block)
-        fully_shard(module)
+            fully_shard(block, mesh=mesh)
+        fully_shard(module, mesh=mesh)
         return module, torch.optim.Adam(module.parameters(), lr=1e-2)
 
     def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, span: range) -> None:

@@ -147,9 +147,13 @@ def _check(results: list[dict[str, Any]], exact: bool) -> None:
     for out in results:
         assert out["scaler/skipped_unchanged"] is True and out["scaler/backed_off"] is True, out
         assert len({r["scaler/scale"] for r in results}) == 1, results  # every rank agrees
-        limit = 0.0 if exact else 1e-6
         for key, value in out.items():
             if key.startswith(("sdp/", "fsdp/", "fsdp_mixed/")) or key == "scaler/vs_torch":
+                limit = 0.0 if exact else 1e-6
+                if not exact and key == "fsdp_mixed/torch.bfloat16/None":
+                    # bf16 sums of 3 gradients in another association differ by bf16 roundings
+                    # (2**-8 relative): 1.2e-3 on the CPU with the same test, under one SGD step.
+                    limit = 2e-3
                 assert value <= limit, (key, value, out)
 
 
