@@ -1,10 +1,12 @@
 """Ranks that disagree on what shapes the collectives are refused at construction on every
 rank, naming the first difference (Note [agree before the first collective]); arguments that
 would silently ruin training are refused; torch's clip_grad_norm_ over sharded gradients
-warns (Note [clipping that bypasses the wrapper])."""
+warns while a wrapper lives, and torch's own function is back once the last one is closed or
+collected (Note [clipping that bypasses the wrapper])."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -121,6 +123,51 @@ def test_torch_clip_over_sharded_gradients_warns_once_and_the_wrappers_own_metho
         assert len(out["sdp/torch"]) == 1 and "Call OSS.clip_grad_norm(max_norm) instead" in out["sdp/torch"][0]
         assert len(out["fsdp/torch"]) == 1 and \
             "Call FullyShardedDataParallel.clip_grad_norm_(max_norm) instead" in out["fsdp/torch"][0], out
+
+
+def _clip_restored(rank: int, world_size: int) -> dict[str, bool]:
+    torch_fn = torch.nn.utils.clip_grad.clip_grad_norm_
+
+    def is_torch() -> bool:
+        return torch.nn.utils.clip_grad_norm_ is torch_fn and torch.nn.utils.clip_grad.clip_grad_norm_ is torch_fn
+
+    out = {"torch before": is_torch()}
+    models = [seeded_mlp(), seeded_mlp()]
+    opts = [OSS(m.parameters(), optim=torch.optim.SGD, lr=0.1) for m in models]
+    first, second = (ShardedDataParallel(m, o) for m, o in zip(models, opts, strict=True))
+    out["torch with two wrappers"] = is_torch()
+    first.close()
+    out["torch with one wrapper left"] = is_torch()
+    second.close()
+    out["torch after the last close"] = is_torch()
+    fsdp = FSDP(seeded_mlp())
+    fsdp(rank_batch(rank, 0)).sum().backward()
+    out["torch with an FSDP"] = is_torch()
+    del fsdp
+    gc.collect()
+    out["torch after the FSDP is collected"] = is_torch()
+
+    def someone_elses(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch_fn(*args, **kwargs)
+
+    fsdp = FSDP(seeded_mlp())
+    torch.nn.utils.clip_grad_norm_ = someone_elses  # type: ignore[assignment]
+    del fsdp
+    gc.collect()
+    out["a later replacement kept"] = torch.nn.utils.clip_grad_norm_ is someone_elses
+    out["the other name restored"] = torch.nn.utils.clip_grad.clip_grad_norm_ is torch_fn
+    torch.nn.utils.clip_grad_norm_ = torch_fn  # type: ignore[assignment]
+    return out
+
+
+def test_torch_clip_is_restored_when_the_last_sharded_wrapper_is_closed_or_collected() -> None:
+    expected = {
+        "torch before": True, "torch with two wrappers": False, "torch with one wrapper left": False,
+        "torch after the last close": True, "torch with an FSDP": False, "torch after the FSDP is collected": True,
+        "a later replacement kept": True, "the other name restored": True,
+    }
+    for out in run_ranks(_clip_restored, 2, timeout_s=60):
+        assert out == expected
 
 
 @pytest.mark.parametrize("kwargs, kind, fragment", [

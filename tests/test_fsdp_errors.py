@@ -35,6 +35,17 @@ class _Pair(nn.Module):
         self.b = nn.Linear(4, 4).double()
 
 
+class _Scaled(nn.Module):
+    """Tensors of its own and no reset_parameters(): to_empty() alone would leave them garbage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("pe", torch.arange(4.0))
+        self.lin_weight = self.lin.weight  # tied to the Linear, whose reset_parameters() covers it
+
+
 class _Box:
     """An output FSDP cannot look into (not a tensor, container or dataclass)."""
 
@@ -73,6 +84,19 @@ def _errors(rank: int, world_size: int) -> dict[str, str]:
     with torch.device("meta"):
         meta = seeded_mlp()
     m["meta_left"] = _message(lambda: FSDP(meta, param_init_fn=lambda mod: None), ValueError)
+    # meta tensors that only reset_parameters() could initialise, on modules without one
+    with torch.device("meta"):
+        scaled = nn.Sequential(nn.Linear(4, 4), _Scaled())
+    m["meta_no_reset"] = _message(lambda: FSDP(scaled), ValueError)
+
+    def init(mod: nn.Module) -> None:
+        mod.to_empty(device="cpu")
+        with torch.no_grad():
+            for t in [*mod.parameters(), *mod.buffers()]:
+                t.fill_(0.5)
+
+    initialised = FSDP(scaled, param_init_fn=init).state_dict().values()
+    m["meta_init_fn_accepted"] = str(all(bool((t == 0.5).all()) for t in initialised))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         FSDP(seeded_mlp(), param_init_fn=lambda mod: None)
@@ -137,6 +161,12 @@ EXPECTED = {
     "dtypes": "must share one dtype and device",
     "tied_by_hand": "parameter 'head.weight' is owned by FullyShardedDataParallel unit",
     "meta_left": "still on the meta device",
+    "meta_no_reset": "these tensors are on the meta device in modules without reset_parameters(): ['1.scale', "
+                     "'1.pe'] (in _Scaled); without param_init_fn, FullyShardedDataParallel materialises with "
+                     "to_empty(), which would leave them holding arbitrary memory (Note [meta tensors nothing "
+                     "initialises]). Pass param_init_fn=fn that materialises and initialises them (fn gets the whole "
+                     "module), or give _Scaled a reset_parameters()",
+    "meta_init_fn_accepted": "True",
     "init_fn_ignored": "param_init_fn is ignored",
     "nested_no_sync": "no_sync() must be called on the root",
     "nested_clip": "clip_grad_norm_() must be called on the root",

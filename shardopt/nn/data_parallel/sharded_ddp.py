@@ -189,7 +189,7 @@ class ShardedDataParallel(nn.Module):
         self._setup()
         self._expose_forward_signature()
         if self.world_size > 1:  # Note [clipping that bypasses the wrapper] in shardopt.clipping
-            clipping.register_sharded(module.parameters(), "OSS.clip_grad_norm")
+            clipping.register_sharded(self, module.parameters(), "OSS.clip_grad_norm")
 
     # ------------------------------------------------------------------ setup
 
@@ -316,7 +316,7 @@ class ShardedDataParallel(nn.Module):
                 f"[rank {self.rank}] close() was called while gradients are being reduced; "
                 "call it between iterations (after optimizer.step())"
             )
-        clipping.unregister(self.module.parameters())
+        clipping.unregister(self, self.module.parameters())
         self._remove_hooks()
         self._accumulators = []
         for param, kept in self._set_aside.items():  # Note [owner's gradient across backward passes]

@@ -69,7 +69,8 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: broadcast the parameters and buffers of rank 0 (of the model's
             groups) to all its ranks before sharding.
         param_init_fn: materialises a module created on the meta device; without it such a
-            module is moved with ``to_empty`` and each submodule's ``reset_parameters()`` runs.
+            module is moved with ``to_empty`` and each submodule's ``reset_parameters()`` runs
+            (a meta tensor no ``reset_parameters()`` would initialise is refused).
         ignored_modules: modules whose parameters FSDP neither shards nor reduces.
         forward_prefetch: gather the next unit (recorded forward order) during a forward.
         backward_prefetch: when to gather the next unit during backward, or ``None``.
@@ -77,7 +78,8 @@ class FullyShardedDataParallel(nn.Module):
 
     Raises:
         ValueError: ``module`` is already wrapped, a shared parameter crosses units wrapped
-            by hand, inconsistent process groups for the strategy, or meta tensors remain.
+            by hand, inconsistent process groups for the strategy, meta tensors remain, or
+            (without ``param_init_fn``) a meta tensor belongs to a module without ``reset_parameters()``.
         TypeError: wrong argument types, or one unit's parameters of several dtypes.
         RuntimeError: torch.distributed is not initialised.
     """
@@ -154,7 +156,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         self._setup(module, "", config, set(), ignored)
         if config.shard_size > 1:  # Note [clipping that bypasses the wrapper] in shardopt.clipping
-            clipping.register_sharded(self.parameters(), "FullyShardedDataParallel.clip_grad_norm_")
+            clipping.register_sharded(self, self.parameters(), "FullyShardedDataParallel.clip_grad_norm_")
 
     @classmethod
     def _nested(cls, module: nn.Module, name: str, config: UnitConfig, excluded: set[int],
