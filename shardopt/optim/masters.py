@@ -37,9 +37,11 @@ A master is the truth for its parameter, so a write to the parameter that the op
 not see (``model.load_state_dict`` after the optimizer was built, ShardedDataParallel's
 start-up broadcast, a weight clamp under ``torch.no_grad()``) would be undone by the next
 step. Before the optimizer uses the masters (a step, a state dict), each master is checked
-against its parameter: if the parameter's version counter moved since the two last agreed (or
-they never were compared: a new, migrated or loaded master) and the parameter differs from
-the master rounded to its dtype, the master is re-created from the parameter. The version
+against its parameter: if the two were never compared (a new, migrated or loaded master) or
+the parameter's version counter moved since they last agreed, and the parameter differs from
+the master rounded to its dtype, the master is re-created from the parameter. The first
+comparison also catches writes made before the first step that bypass the version counter
+(DDP's and ShardedDataParallel's start-up broadcasts write through ``.data``). The version
 check is a Python integer comparison per parameter; the value comparison runs once per
 write. A write that bypasses the version counter (``param.data.copy_(...)``) after the first
 step is not seen: write through ``torch.no_grad()`` instead.
@@ -164,11 +166,10 @@ class MasterWeights:
             source = carried.get(i)
             if source is None:
                 master = p.detach().to(self.dtype, copy=True)
-                agreed[i] = p._version
             else:
                 master = source.detach().to(device=p.device, dtype=self.dtype)
-                agreed[i] = None  # compared at the next use (Note [masters follow outside writes])
             masters[i] = master.requires_grad_(True)
+            agreed[i] = None  # compared at the first use (Note [masters follow outside writes])
         self._masters, self._agreed = masters, agreed
 
     @torch.no_grad()
