@@ -194,7 +194,7 @@ def _scaler(rank: int, world_size: int) -> dict[str, Any]:
                 out[f"{wrapper}/backed_off"] = scaler.get_scale() == scale * 0.5
                 out[f"{wrapper}/master_grads_freed"] = all(opt.master_of(p).grad is None for p in owned)  # type: ignore[union-attr]
                 continue
-            per_rank = [ref.local_grads(lambda m, r=r, s=step: loss_of(m, r, s, f16) * scale) for r in range(world_size)]
+            per_rank = [ref.local_grads(lambda m, r=r, s=step, k=scale: loss_of(m, r, s, f16) * k) for r in range(world_size)]
             reduced = ddp_grads or [sdp_reduce(list(g), F32) for g in zip(*per_rank)]
             if wrapper == "ddp" and world_size == 2:  # DDP's sum is the single-process one at 2 ranks
                 out["ddp/sum_exact"] = out.get("ddp/sum_exact", True) and all(
