@@ -6,6 +6,7 @@ sees an inf (fp16 with ShardedGradScaler)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -75,7 +76,7 @@ def _parity(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_zero2_with_fp32_masters_matches_reference_doing_the_same_casts(world_size: int) -> None:
     results = run_ranks(_parity, world_size, timeout_s=90)
     print(f"\nworld_size={world_size} max |param diff| in bf16 ulps after 5 steps:")
@@ -246,3 +247,37 @@ def test_clip_grad_norm_clips_the_fp32_master_gradients_like_torch() -> None:
     results = run_ranks(_clip, 2, timeout_s=60)
     assert all(r["norms_equal"] for r in results), results
     assert max(r["ulps"] for r in results) == 0.0, results
+
+
+def _freeze(rank: int, world_size: int) -> dict[str, Any]:
+    """Freeze the largest layer for two steps mid-training: ShardedDataParallel re-partitions,
+    the frozen parameter's master is parked with its state and comes back unchanged."""
+    model = low_mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-2, master_dtype=F32)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=100)
+    ref = MasterReference(low_mlp(), torch.optim.Adam, lr=1e-2)
+    layer, ref_layer = model[2], ref.model[2]  # type: ignore[index]
+    owners = []
+    for step in range(6):
+        frozen = step in (2, 3)
+        for p in (*layer.parameters(), *ref_layer.parameters()):
+            p.requires_grad_(not frozen)
+        opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the set of trainable parameters changed; re-partitioning"
+            loss_of(sdp, rank, step).backward()
+        owners.append(opt.partition.owners)
+        opt.step()
+        trainable = [(k, p) for k, p in enumerate(ref.params) if p.requires_grad]
+        per_rank = [torch.autograd.grad(loss_of(ref.model, r, step), [p for _, p in trainable])
+                    for r in range(world_size)]
+        reduced = [sdp_reduce(list(g), F32) for g in zip(*per_rank)]
+        for (k, _), g in zip(trainable, reduced):
+            ref.masters[k].grad = g
+        ref.step()
+    return {"ulps": max_ulps(model.parameters(), ref.params), "repartitioned": len(set(owners)) > 1}
+
+
+def test_freezing_a_layer_mid_training_parks_its_master_and_matches_reference() -> None:
+    results = run_ranks(_freeze, 2, timeout_s=60)
+    assert all(r["ulps"] == 0.0 and r["repartitioned"] for r in results), results
