@@ -11,7 +11,9 @@ ranks' sums first. While a ZeRO-2/3 wrapper is alive, shardopt therefore replace
 thin function that calls torch's own unchanged and warns once per process when any of the
 parameters it was given is sharded, naming the method to call instead. Code that imported
 the function by name before the wrapper was built (``from torch.nn.utils import
-clip_grad_norm_`` at import time) keeps torch's original and is not warned.
+clip_grad_norm_`` at import time) keeps torch's original and is not warned. An OSS with
+master weights registers its parameters too, at any world size: the owners' gradients move
+to the fp32 masters before the step (Note [master gradients] in shardopt.optim.masters).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def _install() -> None:
                 _warned = True
                 warnings.warn(
                     "torch.nn.utils.clip_grad_norm_ was called on parameters whose gradients shardopt has "
-                    "sharded across ranks (ZeRO-2/3): it clips by this rank's local norm, which is wrong. Call "
+                    "sharded across ranks (ZeRO-2/3) or moved to fp32 master weights (OSS master_dtype): it "
+                    "clips by this rank's local norm, which is wrong. Call "
                     f"{_method[id(hit)]}(max_norm) instead (Note [clipping that bypasses the wrapper])",
                     UserWarning, stacklevel=2,
                 )

@@ -342,6 +342,7 @@ def _errors(rank: int, world_size: int) -> dict[str, str]:
     opt = OSS(bf16, master_dtype=F32)
     out["add_fp64_group"] = message(lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(3).double())]}))
     out["groups_after_failed_add"] = str(len(opt.param_groups))
+    out["torch_clip"] = message(lambda: torch.nn.utils.clip_grad_norm_(bf16, 1.0))
     model = low_mlp()
     params = list(model.parameters())
     a, b = OSS(params[:2], master_dtype=F32), OSS(params[2:])
@@ -365,6 +366,9 @@ def test_bad_master_dtype_inputs_are_refused_naming_argument_value_and_fix() -> 
     assert "save_consolidated(master_weights=True) needs an OSS with master_dtype set" in msg["no_masters_export"]
     assert "master_dtype=torch.float32 cannot hold parameter 6 (shape (3,), dtype torch.float64)" in msg["add_fp64_group"]
     assert msg["groups_after_failed_add"] == "1"  # rolled back
+    assert ("warned: torch.nn.utils.clip_grad_norm_ was called on parameters whose gradients shardopt has sharded "
+            "across ranks (ZeRO-2/3) or moved to fp32 master weights (OSS master_dtype)") in msg["torch_clip"], msg
+    assert "Call OSS.clip_grad_norm(max_norm) instead" in msg["torch_clip"]
     assert ("the sharded optimizers have different master_dtype (None, torch.float32); gradients of one dtype are "
             "reduced alike: give every OSS the same master_dtype") in msg["sdp_mixed"], msg["sdp_mixed"]
 
