@@ -20,7 +20,7 @@ from typing import Any
 
 from shardopt import comm
 
-__all__ = ["check_agreement"]
+__all__ = ["check_agreement", "check_same_parameters"]
 
 
 def check_agreement(what: str, entries: Sequence[tuple[str, Any]], group: comm.ProcessGroup | None,
@@ -55,3 +55,43 @@ def check_agreement(what: str, entries: Sequence[tuple[str, Any]], group: comm.P
     else:
         detail = f"rank 0 has {len(mine)} entries, rank {other} has {len(theirs)}"
     raise ValueError(f"{what} was built differently on different ranks: {detail}; {fix}")
+
+
+def check_same_parameters(what: str, param_groups: Sequence[dict[str, Any]], group: comm.ProcessGroup | None) -> None:
+    """Raise on every rank unless every rank of ``group`` has the same parameter list.
+
+    Compares a fingerprint (group index, shape, dtype, ``requires_grad``, contiguity of
+    every parameter, in order) with one object all-gather of a digest, and only on a
+    mismatch a second one, to name the first parameter that differs.
+
+    Args:
+        what: the object being built, for the message (e.g. ``"OSS"``).
+        param_groups: ``torch.optim``-style groups, each with ``params``.
+        group: the ranks that must agree.
+
+    Raises:
+        ValueError: the first parameter that differs (or the counts), on every rank.
+    """
+    desc = [
+        (gi, tuple(p.shape), str(p.dtype), bool(p.requires_grad), p.is_contiguous())
+        for gi, g in enumerate(param_groups)
+        for p in g["params"]
+    ]
+    digest = hashlib.sha256(repr(desc).encode()).hexdigest()
+    digests = comm.all_gather_object(digest, group)
+    if len(set(digests)) == 1:
+        return
+    descs = comm.all_gather_object(desc, group)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    a, b = descs[0], descs[other]
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            detail = (f"parameter {i} is (group, shape, dtype, requires_grad, contiguous)={x} on rank 0 "
+                      f"but {y} on rank {other}")
+            break
+    else:
+        detail = f"rank 0 has {len(a)} parameters, rank {other} has {len(b)}"
+    raise ValueError(
+        f"{what} was given different parameter lists on different ranks: {detail}; every rank must "
+        "pass the same parameters in the same order (build the model identically on all ranks)"
+    )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -45,8 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardopt import comm, failures
 from shardopt.failures import CollectiveError
-from shardopt.files import atomic_write, fsync_dir
+from shardopt.files import atomic_write, remove_path, staging_paths, swap_in
 from shardopt.state_checks import (
+    MASTER_KEY,
     check_indexed_state,
     check_model_state,
     check_optimizer_state,
@@ -203,7 +203,8 @@ def check_writable(path: str, sharded: bool) -> None:
 
 
 def save_consolidated(
-    path: str, module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any] | None = None
+    path: str, module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any] | None = None,
+    master_weights: bool = False,
 ) -> None:
     """Write one checkpoint file holding the full model and optimizer state. Call on every rank.
 
@@ -217,13 +218,22 @@ def save_consolidated(
             through the wrapper), a plain ``torch.optim`` optimizer whose state is the same
             on every rank; or ``None``.
         extra: small picklable values saved alongside (step, scaler state, config).
+        master_weights: save the model's parameters from the optimizer's master weights
+            (``OSS(master_dtype=torch.float32)``) instead of their low-precision values: an
+            fp32 model, e.g. to export. Loading it back rounds them into the parameters, so
+            a resume stays exact. The optimizer state holds the masters either way.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: ``path`` is a folder or cannot be written (see :func:`check_writable`).
+        ValueError: ``path`` is a folder or cannot be written (see :func:`check_writable`),
+            or ``master_weights`` with an optimizer that keeps no master weights.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module (the unwrapped model), got {type(module).__name__}")
+    if master_weights and not (isinstance(optimizer, ShardedOptimizer) and getattr(optimizer, "master_dtype", None)):
+        raise ValueError(f"save_consolidated(master_weights=True) needs an OSS with master_dtype set, got "
+                         f"{type(optimizer).__name__}; build OSS(..., master_dtype=torch.float32), or pass "
+                         "master_weights=False to save the parameters as they are")
     check_writable(path, sharded=False)
     model_state = module.state_dict()  # on every rank: a collective for a ZeRO-3 wrapper
     optim_state: dict[str, Any] | None = None
@@ -235,6 +245,9 @@ def save_consolidated(
         optim_state = type(module).full_optim_state_dict(module, optimizer)
     elif optimizer is not None:
         optim_state = optimizer.state_dict()
+    if _rank() == 0 and master_weights and optim_state is not None:
+        assert isinstance(optimizer, ShardedOptimizer)
+        model_state = _with_master_weights(model_state, module, optimizer.params, optim_state["state"])
     if _rank() == 0:
         extra_state = dict(extra or {})
         blob = {"format": CONSOLIDATED_FORMAT, "model": model_state, "optimizer": optim_state,
@@ -245,6 +258,20 @@ def save_consolidated(
         atomic_write(path, lambda f: torch.save(blob, f))
         logger.info("wrote consolidated checkpoint %s", path)
     _barrier()
+
+
+def _with_master_weights(model_state: dict[str, Any], module: nn.Module, params: tuple[torch.Tensor, ...],
+                         state: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """``model_state`` with each parameter that has a master weight in ``state`` (keyed by
+    index in ``params``) replaced by it, under every name of the parameter (tied ones too)."""
+    names: dict[torch.Tensor, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(p, []).append(name)
+    out = dict(model_state)
+    for index, entry in state.items():
+        if MASTER_KEY in entry:
+            out.update({name: entry[MASTER_KEY] for name in names.get(params[index], []) if name in out})
+    return out
 
 
 def _read_consolidated(path: str) -> dict[str, Any]:
@@ -356,46 +383,6 @@ def _encode(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
     return None, {"model": get_model_state_dict(model)}, {}
 
 
-# Note [sharded save staging]
-# dcp writes into a hidden folder next to the target, ".<name>.shardopt-staging"; rank 0
-# writes the metadata file last, then swaps: the previous checkpoint is renamed to
-# ".<name>.shardopt-old", the staging folder to <name>, and the old one is removed. A save
-# that fails removes its staging folder (rank 0, once dcp has gathered every rank's result,
-# so no rank is still writing into it); a killed save cannot, and the next save removes what
-# it left. The names are hidden and shardopt's own, so nothing of the user's next to the
-# target is ever moved or removed (a plain "<name>.tmp" would be). A kill between the two
-# renames leaves the previous checkpoint in ".<name>.shardopt-old", as load_sharded says.
-
-
-def _side_paths(path: str) -> tuple[str, str]:
-    """(staging folder, previous checkpoint during the swap) of ``path`` (Note [sharded save staging])."""
-    directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.shardopt-staging"), os.path.join(directory, f".{name}.shardopt-old")
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def _swap_in(staging: str, path: str, old: str) -> None:
-    """Replace ``path`` by the finished ``staging`` folder (Note [sharded save staging])."""
-    if os.path.exists(path):
-        _remove(old)  # left by a save killed after its swap
-        os.replace(path, old)
-        try:
-            os.replace(staging, path)
-        except BaseException:
-            os.replace(old, path)
-            raise
-    else:
-        os.replace(staging, path)
-    fsync_dir(os.path.dirname(path))
-    _remove(old)
-
-
 def save_sharded(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any] | None = None
 ) -> None:
@@ -424,9 +411,9 @@ def save_sharded(
     """
     path = os.path.abspath(path)
     check_writable(path, sharded=True)
-    staging, _ = _side_paths(path)
+    staging, _ = staging_paths(path)
     if _rank() == 0:
-        _remove(staging)  # left by a save that was killed
+        remove_path(staging)  # left by a save that was killed
     _barrier()
     kind, state, values = _encode(model, optimizer)
     try:
@@ -450,11 +437,11 @@ def save_sharded(
             }
             meta["meta_crc"] = meta_crc(meta)
             atomic_write(os.path.join(staging, _META_FILE), lambda f: torch.save(meta, f))
-            _swap_in(staging, path, _side_paths(path)[1])
+            swap_in(staging, path, staging_paths(path)[1])
             logger.info("wrote sharded checkpoint %s", path)
     except BaseException:
         if _rank() == 0:
-            _remove(staging)
+            remove_path(staging)
         raise
     _barrier()
 
@@ -462,7 +449,7 @@ def save_sharded(
 def _read_meta(path: str) -> dict[str, Any]:
     meta_path = os.path.join(path, _META_FILE)
     if not os.path.isfile(meta_path):
-        old = _side_paths(path)[1]
+        old = staging_paths(path)[1]
         if not os.path.exists(path) and os.path.isfile(os.path.join(old, _META_FILE)):
             raise FileNotFoundError(f"no sharded checkpoint at {path!r}: a save was killed while replacing it and "
                                     f"the previous checkpoint is in {old!r}; rename that folder to {path!r}")

@@ -11,7 +11,9 @@ ranks' sums first. While a ZeRO-2/3 wrapper is alive, shardopt therefore replace
 thin function that calls torch's own unchanged and warns once per process when any of the
 parameters it was given is sharded by a live wrapper, naming the method to call instead. Code
 that imported the function by name before the wrapper was built (``from torch.nn.utils import
-clip_grad_norm_`` at import time) keeps torch's original and is not warned. When no live
+clip_grad_norm_`` at import time) keeps torch's original and is not warned. An OSS with
+master weights registers its parameters too, at any world size: the owners' gradients move
+to the fp32 masters before the step (Note [master gradients] in shardopt.optim.masters). When no live
 wrapper is left (the last one was closed or collected), torch's own function is put back,
 unless something else has replaced shardopt's meanwhile: a process that is done with ZeRO-2/3
 sees an unchanged torch, and a later wrapper installs it again.
@@ -26,21 +28,20 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 __all__ = ["register_sharded", "unregister"]
 
 # id(param) -> (weak reference to it, weak reference to the wrapper that shards it, what to
 # call instead); an entry leaves when its parameter is unregistered or collected, and counts
 # only while its wrapper lives.
-_sharded: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[nn.Module], str]] = {}
-_live: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_sharded: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[object], str]] = {}
+_live: weakref.WeakSet[object] = weakref.WeakSet()
 _warned = False
 _original: Callable[..., torch.Tensor] | None = None
 _patched: Callable[..., torch.Tensor] | None = None
 
 
-def register_sharded(wrapper: nn.Module, params: Iterable[torch.Tensor], method: str) -> None:
+def register_sharded(wrapper: object, params: Iterable[torch.Tensor], method: str) -> None:
     """Mark ``params`` as holding gradients sharded by ``wrapper`` (Note [clipping that bypasses the wrapper]).
 
     Args:
@@ -58,7 +59,7 @@ def register_sharded(wrapper: nn.Module, params: Iterable[torch.Tensor], method:
         weakref.finalize(wrapper, _restore_when_unused)
 
 
-def unregister(wrapper: nn.Module, params: Iterable[torch.Tensor]) -> None:
+def unregister(wrapper: object, params: Iterable[torch.Tensor]) -> None:
     """Forget ``wrapper`` and its ``params`` (it was closed); put torch's function back if it was the last."""
     for p in params:
         entry = _sharded.get(id(p))
@@ -110,7 +111,8 @@ def _install() -> None:
                 _warned = True
                 warnings.warn(
                     "torch.nn.utils.clip_grad_norm_ was called on parameters whose gradients shardopt has "
-                    "sharded across ranks (ZeRO-2/3): it clips by this rank's local norm, which is wrong. Call "
+                    "sharded across ranks (ZeRO-2/3) or moved to fp32 master weights (OSS master_dtype): it "
+                    "clips by this rank's local norm, which is wrong. Call "
                     f"{hit}(max_norm) instead (Note [clipping that bypasses the wrapper])",
                     UserWarning, stacklevel=2,
                 )

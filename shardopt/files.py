@@ -1,4 +1,5 @@
-"""Atomic file writes: the one way shardopt replaces a file (checkpoints, JSON results).
+"""Atomic file writes: the one way shardopt replaces a file (checkpoints, JSON results), and
+the staging folder through which a sharded checkpoint replaces a folder.
 
 Note [atomic writes]
 The content goes to a temporary file next to the target, named ``.<name>.tmp-<pid>``, is
@@ -12,10 +13,11 @@ process is gone.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["atomic_write", "fsync_dir", "remove_stale_temps"]
+__all__ = ["atomic_write", "fsync_dir", "remove_path", "remove_stale_temps", "staging_paths", "swap_in"]
 
 
 def _temp_name(path: str, pid: int) -> str:
@@ -91,3 +93,44 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
     fsync_dir(directory)
+
+
+# Note [sharded save staging]
+# dcp writes into a hidden folder next to the target, ".<name>.shardopt-staging"; rank 0
+# writes the metadata file last, then swaps: the previous checkpoint is renamed to
+# ".<name>.shardopt-old", the staging folder to <name>, and the old one is removed. A save
+# that fails removes its staging folder (rank 0, once dcp has gathered every rank's result,
+# so no rank is still writing into it); a killed save cannot, and the next save removes what
+# it left. The names are hidden and shardopt's own, so nothing of the user's next to the
+# target is ever moved or removed (a plain "<name>.tmp" would be). A kill between the two
+# renames leaves the previous checkpoint in ".<name>.shardopt-old", as load_sharded says.
+
+
+def staging_paths(path: str) -> tuple[str, str]:
+    """(staging folder, previous checkpoint during the swap) of ``path`` (Note [sharded save staging])."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.shardopt-staging"), os.path.join(directory, f".{name}.shardopt-old")
+
+
+def remove_path(path: str) -> None:
+    """Remove a file or a folder tree (not what a link points to); nothing if absent."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def swap_in(staging: str, path: str, old: str) -> None:
+    """Replace ``path`` by the finished ``staging`` folder (Note [sharded save staging])."""
+    if os.path.exists(path):
+        remove_path(old)  # left by a save killed after its swap
+        os.replace(path, old)
+        try:
+            os.replace(staging, path)
+        except BaseException:
+            os.replace(old, path)
+            raise
+    else:
+        os.replace(staging, path)
+    fsync_dir(os.path.dirname(path))
+    remove_path(old)

@@ -33,11 +33,13 @@ import torch
 from torch import nn
 
 __all__ = [
+    "MASTER_KEY",
     "check_indexed_state",
     "check_model_state",
     "check_optimizer_state",
     "check_state_fits",
     "checksums",
+    "entry_fits",
     "meta_crc",
     "shapes",
     "state_fits",
@@ -46,6 +48,10 @@ __all__ = [
 
 PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 """Values whose ``repr`` is checksummed (exact for floats, the same in every process)."""
+
+MASTER_KEY = "master"
+"""The state entry under which OSS saves a parameter's master weight (Note [master weights]
+in :mod:`shardopt.optim.masters`): a floating tensor of exactly the parameter's shape."""
 
 
 def _crc(tensor: torch.Tensor) -> int:
@@ -127,12 +133,12 @@ def check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: Any
                              "the file is inconsistent. Nothing was loaded")
         shape = shapes[key] if isinstance(shapes, Mapping) else shapes[position[key]]
         for name, value in entry.items():
-            if not state_fits(value, shape):
+            if not entry_fits(name, value, shape):
                 raise ValueError(
                     f"checkpoint {where}: optimizer state {name!r} of parameter {key!r} has shape "
-                    f"{tuple(value.shape)} in the checkpoint but the parameter has {tuple(shape)}; the optimizer "
-                    "state belongs to another model or parameter order: build the optimizer over the same "
-                    "parameters in the same order. Nothing was loaded")
+                    f"{_shape_of(value)} in the checkpoint but the parameter has {tuple(shape)}; "
+                    f"{_rule(name)}: the optimizer state belongs to another model or parameter order: build "
+                    "the optimizer over the same parameters in the same order. Nothing was loaded")
 
 
 def state_fits(value: Any, param_shape: torch.Size) -> bool:
@@ -148,6 +154,24 @@ def state_fits(value: Any, param_shape: torch.Size) -> bool:
     return value.dim() == len(param_shape) and all(a in (b, 1) for a, b in zip(value.shape, param_shape))
 
 
+def entry_fits(name: str, value: Any, param_shape: torch.Size) -> bool:
+    """:func:`state_fits`, except that a master weight (:data:`MASTER_KEY`) must be a floating
+    tensor of exactly the parameter's shape."""
+    if name == MASTER_KEY:
+        return isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param_shape
+    return state_fits(value, param_shape)
+
+
+def _shape_of(value: Any) -> Any:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _rule(name: str) -> str:
+    if name == MASTER_KEY:
+        return "a master weight must be a floating tensor of exactly its parameter's shape"
+    return "optimizer state must have the parameter's shape (or 1 in some dimensions)"
+
+
 def check_state_fits(state: Mapping[Any, Any], to_index: Mapping[Any, int], params: tuple[torch.Tensor, ...]) -> None:
     """Refuse a ``torch.optim`` state (``state_dict["state"]``) whose entries do not fit their
     parameters (by :func:`state_fits`); ``to_index`` maps its keys to indices in ``params``."""
@@ -157,11 +181,11 @@ def check_state_fits(state: Mapping[Any, Any], to_index: Mapping[Any, int], para
                              "values; pass optimizer.state_dict() output")
         shape = params[to_index[key]].shape
         for name, value in entry.items():
-            if not state_fits(value, shape):
+            if not entry_fits(name, value, shape):
                 raise ValueError(
-                    f"state_dict['state'][{key!r}][{name!r}] has shape {tuple(value.shape)} but parameter "
-                    f"{to_index[key]} has shape {tuple(shape)}; load a state dict saved from the same model "
-                    "and param groups (in the same order). Nothing was loaded"
+                    f"state_dict['state'][{key!r}][{name!r}] has shape {_shape_of(value)} but parameter "
+                    f"{to_index[key]} has shape {tuple(shape)}; {_rule(name)}: load a state dict saved from the "
+                    "same model and param groups (in the same order). Nothing was loaded"
                 )
 
 

@@ -9,6 +9,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 
 from shardopt import comm
+from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
 
 __all__ = ["ShardedGradScaler"]
@@ -48,6 +49,12 @@ class ShardedGradScaler(GradScaler):
     per-device flags into one, and all-reduces it (max) over ``process_group``. ``step`` and
     ``update`` are torch's, reading the agreed flag. Works with OSS + ShardedDataParallel and
     with OSS + DDP, on CPU (autocast bf16/fp16) and CUDA.
+
+    With an OSS that keeps master weights (``master_dtype``), the unscale and the inf/nan
+    check run on the masters' fp32 gradients (owned ``.grad`` folded in first, Note [master
+    gradients] in :mod:`shardopt.optim.masters`), so fp16 parameters work (torch refuses to
+    unscale fp16 gradients), and a skipped step also frees the masters' gradients: they hold
+    the inf/nan, and a ``model.zero_grad()`` would not reach them.
 
     Args:
         init_scale: initial scale factor.
@@ -111,3 +118,45 @@ class ShardedGradScaler(GradScaler):
             group = optimizer.group
         comm.all_reduce(found, group, op="max", label="shardopt::scaler::found_inf").wait()
         state["found_inf_per_device"] = {found.device: found}
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        # torch's per-optimizer hook for what to unscale; with masters, their fp32 gradients
+        # and those of the parameters that have none (a parameter with a master elsewhere is
+        # its owner's business).
+        if not (isinstance(optimizer, OSS) and optimizer.master_dtype is not None):
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        optimizer.collect_master_grads()
+        masters = [(p, optimizer.master_of(p)) for p in optimizer.params]
+        held = [p if m is None else m for p, m in masters
+                if m is not None or not needs_master(p.dtype, optimizer.master_dtype)]
+        return super()._unscale_grads_(_Holders(held), inv_scale, found_inf, allow_fp16)  # type: ignore[arg-type]
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        """torch's ``step`` (skips when any rank found inf/nan); with master weights, a
+        skipped step also frees the masters' gradients.
+
+        Args:
+            optimizer: the optimizer to step.
+            *args: passed to ``optimizer.step``.
+            **kwargs: passed to ``optimizer.step``.
+
+        Returns:
+            What ``optimizer.step`` returned, or ``None`` when the step was skipped.
+        """
+        result = super().step(optimizer, *args, **kwargs)
+        state = self._per_optimizer_states.get(id(optimizer), {})
+        skipped = any(v.item() for v in state.get("found_inf_per_device", {}).values())
+        if self._enabled and skipped and isinstance(optimizer, OSS):
+            for p in optimizer.params:
+                master = optimizer.master_of(p)
+                if master is not None:
+                    master.grad = None
+        return result
+
+
+class _Holders:
+    """What torch's unscale reads of an optimizer: ``param_groups`` of tensors with a ``.grad``."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.param_groups = [{"params": tensors}]

@@ -18,7 +18,6 @@ when the parameter is trainable again.
 from __future__ import annotations
 
 import functools
-import hashlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -26,17 +25,24 @@ from typing import Any
 import torch
 from torch.optim import SGD, Optimizer
 
-from shardopt import comm
-from shardopt.agreement import check_agreement
+from shardopt import clipping, comm
+from shardopt.agreement import check_agreement, check_same_parameters
+from shardopt.optim.grad_norm import clip_sharded_grads
+from shardopt.optim.masters import MasterWeights, check_master_dtype, needs_master
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
+from shardopt.optim.state_transport import (
+    StateByIndex,
+    collect,
+    migrate,
+    state_to_param,
+    to_cpu,
+)
 from shardopt.partition import Partition, partition_by_size
-from shardopt.state_checks import check_state_fits
+from shardopt.state_checks import MASTER_KEY, check_state_fits
 
 __all__ = ["OSS"]
 
 _warned: set[str] = set()
-
-StateByIndex = dict[int, dict[str, Any]]
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -49,49 +55,6 @@ def _warn_once(key: str, message: str) -> None:
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's hyperparameters (everything but ``params``)."""
     return {k: v for k, v in group.items() if k != "params"}
-
-
-def _to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor detached and on the CPU (CPU tensors are not copied)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _state_to_param(state: dict[str, Any], param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-    """Put one parameter's state tensors where its optimizer expects them.
-
-    Per-element tensors go to the parameter's device. Scalars (``step``) stay on the CPU
-    unless the group is ``capturable`` or ``fused``, as ``torch.optim`` keeps them.
-    """
-    on_device = bool(group.get("capturable") or group.get("fused"))
-    return {
-        k: v.to(param.device) if isinstance(v, torch.Tensor) and (v.dim() > 0 or on_device) else v
-        for k, v in state.items()
-    }
-
-
-def _torch_norm_order(indices: list[int], params: tuple[torch.Tensor, ...]) -> list[int]:
-    """``indices`` in the order ``torch.nn.utils.clip_grad_norm_`` stacks their norms.
-
-    torch groups the gradients by (device, dtype) with a private helper before taking the
-    norms; summing in its order is what makes the sharded total equal torch's bit for bit
-    with mixed dtypes. Without the helper (a future torch), first-seen order is used.
-    """
-    try:
-        from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
-    except ImportError:  # pragma: no cover - depends on the torch version
-        keys: dict[tuple[str, torch.dtype], int] = {}
-        for i in indices:
-            keys.setdefault((str(params[i].device), params[i].dtype), len(keys))
-        return sorted(indices, key=lambda i: (keys[(str(params[i].device), params[i].dtype)], i))
-    probes: list[torch.Tensor | None] = [torch.empty(0, dtype=params[i].dtype, device=params[i].device) for i in indices]
-    grouped = _group_tensors_by_device_and_dtype([probes], with_indices=True)
-    return [indices[j] for _, (_, positions) in grouped.items() for j in positions]
 
 
 class OSS(Optimizer):
@@ -110,7 +73,8 @@ class OSS(Optimizer):
     streams] in :mod:`shardopt.optim.param_gather`). Construction checks that every rank passed the
     same parameter list (a cheap fingerprint exchange) instead of hanging later. Frozen
     parameters are never stepped (even with a leftover ``.grad``); their state is kept
-    (Note [parked state]).
+    (Note [parked state]). With ``master_dtype``, owners keep and step fp32 master copies of
+    their low-precision parameters (Note [master weights] in :mod:`shardopt.optim.masters`).
 
     Args:
         params: parameters or param-group dicts, as for any ``torch.optim`` optimizer.
@@ -121,13 +85,20 @@ class OSS(Optimizer):
             non-owners get values rounded to fp16, and values beyond fp16's range overflow).
         force_broadcast_object: deprecated in fairscale; accepted and ignored (warns once):
             state is always exchanged as objects.
+        master_dtype: keep a master copy in this dtype (normally ``torch.float32``) of each
+            owned trainable parameter narrower than it (bf16, fp16), build the wrapped
+            optimizer over the masters and round them into the parameters after each step.
+            Parameters already in ``master_dtype`` are stepped as themselves; if all are,
+            nothing changes (warns once). ``None`` (default): no masters.
         **defaults: keyword arguments of ``optim`` (``lr``, ``momentum``, ...).
 
     Raises:
-        TypeError: ``optim`` is not an optimizer class (e.g. an instance).
+        TypeError: ``optim`` is not an optimizer class (e.g. an instance), or
+            ``master_dtype`` is not a ``torch.dtype``.
         RuntimeError: torch.distributed is not initialised.
-        ValueError: the ranks passed different parameter lists, or a trainable parameter is
-            not contiguous.
+        ValueError: the ranks passed different parameter lists or ``master_dtype``, a
+            trainable parameter is not contiguous, or ``master_dtype`` is not floating or
+            cannot hold a parameter (narrower, or another format of the same width).
     """
 
     def __init__(
@@ -138,6 +109,7 @@ class OSS(Optimizer):
         broadcast_buffer_size: int = -1,
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
+        master_dtype: torch.dtype | None = None,
         **defaults: Any,
     ) -> None:
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
@@ -146,6 +118,8 @@ class OSS(Optimizer):
                 f"optim must be a torch.optim.Optimizer subclass such as torch.optim.Adam, got {got}; "
                 "pass the class and its arguments: OSS(params, optim=torch.optim.Adam, lr=1e-3)"
             )
+        if master_dtype is not None:
+            check_master_dtype(master_dtype, [])  # the type and kind now; the parameters below
         comm.require_initialized("OSS")
         if broadcast_buffer_size != -1:
             _warn_once("bbs", f"OSS(broadcast_buffer_size={broadcast_buffer_size}) is deprecated and ignored: "
@@ -164,11 +138,19 @@ class OSS(Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self._consolidated: dict[str, Any] | None = None
         self._parked: StateByIndex = {}
+        self._masters = MasterWeights(master_dtype)
         if any(p.is_meta for p in self.params):
             raise ValueError("OSS got meta-device parameters: call module.to_empty(device=...) and re-initialise first")
         self._check_same_params_on_all_ranks()
-        check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__)], group,
+        check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__),
+                                ("master_dtype", str(master_dtype))], group,
                         "pass the same OSS arguments on every rank")  # Note [agree before the first collective]
+        if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper]
+            clipping.register_sharded(self, self.params, "OSS.clip_grad_norm")  # the gradients move to the masters
+        elif master_dtype is not None:
+            _warn_once("no-masters", f"OSS(master_dtype={master_dtype}): every parameter is already {master_dtype}, "
+                       "so no master copies are kept and nothing changes; remove master_dtype, or cast the model "
+                       "to torch.bfloat16 to train with fp32 masters")
         self._repartition(migrate=False)
         self.defaults = dict(self.optim.defaults)
 
@@ -187,6 +169,30 @@ class OSS(Optimizer):
     def owns(self, index: int) -> bool:
         """Whether this rank owns ``params[index]`` (frozen parameters have an owner too)."""
         return self._partition.owners[index] == self.rank
+
+    @property
+    def master_dtype(self) -> torch.dtype | None:
+        """The dtype of the master weights (``None``: no masters; Note [master weights])."""
+        return self._masters.dtype
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The master weight of ``param`` if this rank keeps one (it owns the trainable
+        parameter and ``master_dtype`` is wider than it), else ``None``.
+
+        The optimizer steps the master; its ``.grad`` is the gradient the step uses (Note
+        [master gradients] in :mod:`shardopt.optim.masters`). Do not replace the tensor.
+        """
+        index = self._index_of.get(param)
+        return None if index is None else self._masters.get(index)
+
+    def collect_master_grads(self) -> None:
+        """Fold every owned parameter's ``.grad`` into its master's fp32 ``.grad`` and free it.
+
+        The step does it itself; ``ShardedGradScaler.unscale_`` and :meth:`clip_grad_norm`
+        call it first to work on fp32 gradients (Note [master gradients]). Local: no
+        collective. Without masters it does nothing.
+        """
+        self._masters.fold_grads(self.params)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """fairscale's view: for each rank, its param groups restricted to its trainable params.
@@ -226,13 +232,15 @@ class OSS(Optimizer):
             param_group: a dict with ``params`` and optional hyperparameters.
 
         Raises:
-            ValueError: the ranks added different parameters.
+            ValueError: the ranks added different parameters, or ``master_dtype`` cannot
+                hold one of them.
         """
         super().add_param_group(param_group)
         if self._building:
             return
         try:
             self._check_same_params_on_all_ranks()
+            check_master_dtype(self.master_dtype, self.params)
         except ValueError:
             self.param_groups.pop()  # leave the optimizer as it was
             raise
@@ -249,25 +257,29 @@ class OSS(Optimizer):
                     "param.data = param.data.contiguous() or module.to(memory_format=torch.contiguous_format)"
                 )
         sizes = [p.numel() * p.element_size() if p.requires_grad else 0 for p in params]
-        old_state = self._local_state_by_index() if migrate else {}
+        old_state = self._local_state_by_index() if migrate else {}  # masters travel in it
         self._partition = partition_by_size(sizes, self.world_size)
         self._trainable_sig = tuple(p.requires_grad for p in params)
         if migrate:
             old_state = self._migrate_state(old_state)
         trainable = {i for i in self._partition.indices_of(self.rank) if sizes[i] > 0}
+        self._masters.rebuild(params, trainable, {i: old_state[i].pop(MASTER_KEY) for i in trainable
+                                                  if MASTER_KEY in old_state.get(i, {})})
+        self._index_of = {p: i for i, p in enumerate(params)}
         shard_groups, start = [], 0
         for g in self.param_groups:
             indices = range(start, start + len(g["params"]))
-            shard_groups.append({**_hyper(g), "params": [p for i, p in zip(indices, g["params"]) if i in trainable]})
+            shard_groups.append({**_hyper(g), "params": [self._masters.stepped(i, p) for i, p in zip(indices, g["params"])
+                                                         if i in trainable]})
             start += len(g["params"])
         # See Note [shard optimizer rebuild].
         self.optim: Optimizer = self._optim_cls(shard_groups, **self._optim_defaults)
         self._parked = {}
         for i, state in old_state.items():
-            if i in trainable:
-                self.optim.state[params[i]] = state
-            else:
+            if i not in trainable:
                 self._parked[i] = state
+            elif state:
+                self.optim.state[self._masters.stepped(i, params[i])] = state
         self.state = self.optim.state  # type: ignore[assignment]
         self._pull_hyperparams()
         self._gather = ParamGather(
@@ -276,25 +288,22 @@ class OSS(Optimizer):
         self._consolidated = None
 
     def _local_state_by_index(self) -> StateByIndex:
-        """This rank's optimizer state (live and parked), keyed by index in :attr:`params`."""
-        index = {p: i for i, p in enumerate(self.params)}
+        """This rank's optimizer state (live and parked, masters under ``MASTER_KEY``), keyed
+        by index in :attr:`params`."""
+        params = self.params
+        self._masters.follow_outside_writes(params)
+        index = {self._masters.stepped(i, p): i for i, p in enumerate(params)}
         state = {index[p]: s for p, s in self.optim.state.items() if p in index and s}
+        for i, master in self._masters.items():
+            state[i] = {**state.get(i, {}), MASTER_KEY: master}
         state.update(self._parked)
         return state
 
     def _migrate_state(self, state: StateByIndex) -> StateByIndex:
         """Send each state entry whose owner changed to its new owner, one rank at a time."""
-        owners = self._partition.owners
-        kept = {i: s for i, s in state.items() if owners[i] == self.rank}
-        for src in range(self.world_size):
-            outgoing = None
-            if src == self.rank:
-                outgoing = {i: _to_cpu(s) for i, s in state.items() if owners[i] != self.rank}
-            incoming = comm.broadcast_object(outgoing, src, self.group)
-            if src != self.rank:
-                kept.update({i: s for i, s in incoming.items() if owners[i] == self.rank})
+        kept = migrate(state, self._partition.owners, self.rank, self.world_size, self.group)
         params, groups = self.params, self._group_of_global()
-        return {i: _state_to_param(s, params[i], groups[i]) for i, s in kept.items()}
+        return {i: state_to_param(s, params[i], groups[i]) for i, s in kept.items()}
 
     def _group_of_global(self) -> list[dict[str, Any]]:
         """The global param group of each parameter index."""
@@ -302,29 +311,7 @@ class OSS(Optimizer):
 
     def _check_same_params_on_all_ranks(self) -> None:
         """Compare a fingerprint of the parameter list across ranks; name the first mismatch."""
-        desc = [
-            (gi, tuple(p.shape), str(p.dtype), bool(p.requires_grad), p.is_contiguous())
-            for gi, g in enumerate(self.param_groups)
-            for p in g["params"]
-        ]
-        digest = hashlib.sha256(repr(desc).encode()).hexdigest()
-        digests = comm.all_gather_object(digest, self.group)
-        if len(set(digests)) == 1:
-            return
-        descs = comm.all_gather_object(desc, self.group)
-        other = next(r for r, d in enumerate(digests) if d != digests[0])
-        a, b = descs[0], descs[other]
-        for i, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                detail = (f"parameter {i} is (group, shape, dtype, requires_grad, contiguous)={x} on rank 0 "
-                          f"but {y} on rank {other}")
-                break
-        else:
-            detail = f"rank 0 has {len(a)} parameters, rank {other} has {len(b)}"
-        raise ValueError(
-            f"OSS was given different parameter lists on different ranks: {detail}; every rank must "
-            "pass the same parameters in the same order (build the model identically on all ranks)"
-        )
+        check_same_parameters("OSS", self.param_groups, self.group)
 
     # ------------------------------------------------------------------ step
 
@@ -341,6 +328,10 @@ class OSS(Optimizer):
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then gather every rank's updated parameters. Call on every rank.
 
+        With masters, the step uses each master's fp32 gradient (owned ``param.grad`` folded in
+        first), updates the masters, rounds them into the parameters and frees the masters'
+        gradients (Note [master gradients]).
+
         Args:
             closure: re-evaluates the model and returns the loss (as ``torch.optim``).
             **kwargs: passed to the wrapped optimizer's ``step``.
@@ -353,10 +344,34 @@ class OSS(Optimizer):
                        "every rank (ShardedDataParallel does it for you)")
         self._consolidated = None
         self._push_hyperparams()
-        loss = self.optim.step(closure=closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
+        params = self.params
+        self._masters.follow_outside_writes(params)
+        self._masters.fold_grads(params)
+        if closure is not None:
+            user_closure = closure
+
+            def folding_closure() -> float:
+                loss = user_closure()
+                self._masters.fold_grads(params)  # the closure's backward filled param.grad
+                return loss
+
+            loss = self.optim.step(closure=folding_closure, **kwargs)
+        else:
+            loss = self.optim.step(**kwargs)
+        self._masters.write_back(params)
         self._pull_hyperparams()
         self._gather.gather()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim``'s over every parameter; also frees the masters' gradients
+        whatever ``set_to_none`` says (Note [master gradients]).
+
+        Args:
+            set_to_none: drop the parameters' gradients instead of zeroing them.
+        """
+        super().zero_grad(set_to_none=set_to_none)
+        self._masters.free_grads()
 
     def clip_grad_norm(
         self,
@@ -369,9 +384,11 @@ class OSS(Optimizer):
         How it works: each rank takes the norm of each owned gradient, the ranks exchange
         those per-parameter norms in one small all-reduce, and every rank combines them in
         the order ``torch.nn.utils.clip_grad_norm_`` would (grouped by device and dtype, then
-        parameter order), so the total equals torch's on the full gradients. Owned
-        gradients are then scaled by ``min(1, max_norm / (total + 1e-6))``; other ranks'
-        gradients are left alone (their owners scale them).
+        parameter order), so the total equals torch's on the full gradients (Note [sharded
+        norm in torch's order] in :mod:`shardopt.optim.grad_norm`). Owned gradients are then
+        scaled by ``min(1, max_norm / (total + 1e-6))``; other ranks' gradients are left
+        alone (their owners scale them). With masters, the norm is taken of and the clip
+        applied to the masters' fp32 gradients (owned ``.grad`` folded in first).
 
         Args:
             max_norm: the largest allowed total norm.
@@ -380,41 +397,23 @@ class OSS(Optimizer):
                 (and get clipped); it receives and returns a list of parameters.
 
         Returns:
-            The total norm, a tensor in the promoted dtype of the trainable parameters.
+            The total norm, a tensor in the promoted dtype of the trainable parameters'
+            gradients (``master_dtype`` for those with masters).
         """
         params = self.params
-        mine = [p for i, p in enumerate(params) if self.owns(i) and p.grad is not None]
+        self._masters.fold_grads(params)
+        held = {p: self._masters.stepped(i, p) for i, p in enumerate(params) if self.owns(i)}
+        mine = [p for p, t in held.items() if t.grad is not None]
         if filter_params_fn is not None:
             mine = list(filter_params_fn(mine))
         position = {p: i for i, p in enumerate(params)}
-        dtypes = [p.dtype for p in params if p.requires_grad] or [torch.float32]
-        dtype = functools.reduce(torch.promote_types, dtypes)
-        device = params[0].device
-        norm_type = float(norm_type)
-        exchange = torch.zeros(2 * len(params), dtype=dtype, device=device)
-        grads = []
-        by_kind: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
-        for p in mine:
-            grad = p.grad.detach()  # type: ignore[union-attr]
-            grads.append(grad)
-            by_kind.setdefault((str(grad.device), grad.dtype), []).append(p)
-        for kind_params in by_kind.values():
-            # The same per-tensor kernel torch's clip uses (a per-tensor loop on the CPU).
-            norms = torch._foreach_norm([p.grad.detach() for p in kind_params], norm_type)  # type: ignore[union-attr]
-            for p, n in zip(kind_params, norms):
-                exchange[position[p]] = n.to(device)
-                exchange[len(params) + position[p]] = 1
-        comm.all_reduce(exchange, self.group, op="sum", label="shardopt::oss::clip_grad_norm").wait()
-        counted = (exchange[len(params):] > 0).nonzero().flatten().tolist()  # one device sync, not one per param
-        counted = _torch_norm_order(counted, params)
-        if counted:
-            total = torch.linalg.vector_norm(exchange[counted], norm_type)
-        else:
-            total = torch.zeros((), dtype=dtype, device=device)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device))
-        return total
+        master = self.master_dtype
+        grad_dtypes = [master if master is not None and needs_master(p.dtype, master) else p.dtype for p in params]
+        kinds = [(p.device, d) for p, d in zip(params, grad_dtypes)]
+        dtype = functools.reduce(torch.promote_types, [d for p, d in zip(params, grad_dtypes) if p.requires_grad]
+                                 or [torch.float32])
+        grads = {position[p]: held[p].grad.detach() for p in mine}  # type: ignore[union-attr]
+        return clip_sharded_grads(grads, kinds, dtype, max_norm, float(norm_type), self.group)
 
     # ------------------------------------------------------------------ state dict
 
@@ -437,30 +436,15 @@ class OSS(Optimizer):
         if not isinstance(recipient_rank, int) or not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
                              f"got {recipient_rank!r}; pass the rank that will save the checkpoint")
-        local = {i: _to_cpu(s) for i, s in self._local_state_by_index().items()}
-        merged: StateByIndex = {}
-        for src in range(self.world_size):
-            shard: StateByIndex | None = None
-            if recipient_rank == -1:
-                shard = comm.broadcast_object(local if src == self.rank else None, src, self.group)
-            elif src == recipient_rank == self.rank:
-                shard = local
-            elif src == recipient_rank:
-                continue
-            elif self.rank == src:
-                comm.send_object(local, recipient_rank, self.group)
-            elif self.rank == recipient_rank:
-                shard = comm.recv_object(src, self.group)
-            if shard is not None:
-                merged.update(shard)
-        if recipient_rank in (-1, self.rank):
+        local = {i: to_cpu(s) for i, s in self._local_state_by_index().items()}
+        merged = collect(local, recipient_rank, self.rank, self.world_size, self.group)
+        self._consolidated = None
+        if merged is not None:
             groups, start = [], 0
             for g in self.param_groups:
                 groups.append({**_hyper(g), "params": list(range(start, start + len(g["params"])))})
                 start += len(g["params"])
-            self._consolidated = {"state": dict(sorted(merged.items())), "param_groups": groups}
-        else:
-            self._consolidated = None
+            self._consolidated = {"state": merged, "param_groups": groups}
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:  # type: ignore[override]
         """The consolidated optimizer state, as a plain ``torch.optim`` state dict.
@@ -492,13 +476,19 @@ class OSS(Optimizer):
         Each rank keeps the state of the parameters it owns (frozen ones parked, Note
         [parked state]); every group's hyperparameters are restored on every rank. As with
         ``torch.optim``, tensors already on the right device and dtype are not copied.
+        Master weights (``state[i]["master"]``) are copied into this rank's masters; a master
+        the dict lacks (saved without ``master_dtype``) restarts from its parameter, and
+        masters this OSS keeps none for are ignored (each warns once). Load the model's
+        weights too (before or after): a master and its parameter must agree (Note [masters
+        follow outside writes] in :mod:`shardopt.optim.masters`).
 
         Args:
             state_dict: from :meth:`state_dict` or ``torch.optim.Optimizer.state_dict``.
 
         Raises:
             ValueError: the dict is not an optimizer state dict, or its groups, parameter
-                counts, state indices or state shapes do not match (checked first).
+                counts, state indices, state shapes or master shapes do not match (checked
+                first).
             TypeError: a state entry is not a dict.
         """
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
@@ -523,8 +513,15 @@ class OSS(Optimizer):
         check_state_fits(state_dict["state"], to_index, params)  # before anything changes
         for g, saved in zip(self.param_groups, groups):
             g.update(_hyper(saved))
-        state = {to_index[k]: s for k, s in state_dict["state"].items()}
-        position = {p: i for i, p in enumerate(params)}
+        state = {to_index[k]: dict(s) for k, s in state_dict["state"].items()}
+        saved_masters = {i: s.pop(MASTER_KEY) for i, s in state.items() if MASTER_KEY in s}
+        ignored = [i for i in saved_masters if not needs_master(params[i].dtype, self.master_dtype)]
+        if ignored:
+            _warn_once("masters-ignored", f"state_dict holds master weights for {len(ignored)} parameter(s) (first: "
+                       f"{ignored[0]}) that this OSS (master_dtype={self.master_dtype}) keeps none for: they are "
+                       "ignored and the parameters keep their values; pass master_dtype=torch.float32 to resume "
+                       "from them")
+        position = {self._masters.stepped(i, p): i for i, p in enumerate(params)}
         local_groups = [
             {**_hyper(g), "params": [position[p] for p in sg["params"]]}
             for g, sg in zip(self.param_groups, self.optim.param_groups)
@@ -533,12 +530,18 @@ class OSS(Optimizer):
         self.optim.load_state_dict(
             {"state": {i: s for i, s in state.items() if i in trainable}, "param_groups": local_groups}
         )
+        missing = self._masters.load(params, saved_masters)
+        if missing:
+            _warn_once("masters-missing", f"state_dict has no master weights for {len(missing)} parameter(s) this "
+                       f"rank steps in {self.master_dtype} (first: {missing[0]}), as when it was saved without "
+                       "master_dtype: their masters restart from the parameters' values; load the model's weights "
+                       "as well")
         global_groups = self._group_of_global()
-        self._parked = {
-            i: _state_to_param(s, params[i], global_groups[i])
-            for i, s in state.items()
-            if owners[i] == self.rank and i not in trainable
-        }
+        self._parked = {}
+        for i in range(len(params)):
+            if owners[i] == self.rank and i not in trainable and (i in state or i in saved_masters):
+                kept = {MASTER_KEY: saved_masters[i]} if i in saved_masters and i not in ignored else {}
+                self._parked[i] = state_to_param({**state.get(i, {}), **kept}, params[i], global_groups[i])
         self.state = self.optim.state  # type: ignore[assignment]
         self._consolidated = None
 

@@ -17,6 +17,8 @@ from torch.autograd.graph import get_gradient_edge
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
+from shardopt.nn.data_parallel.local_sums import LocalSums
+from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
 
 __all__ = ["ShardedDataParallel"]
@@ -30,16 +32,7 @@ __all__ = ["ShardedDataParallel"]
 # 2 ranks); a byte budget keeps as many small ones in flight as large ones would use memory.
 _MAX_BYTES_IN_FLIGHT = 2 * 2**23 * 4
 
-# Note [small parameters share a bucket]
-# reduce_buffer_size=0 ("no buckets", fairscale's benchmark setting) still coalesces the
-# gradients of parameters smaller than _MIN_BUCKET_NUMEL elements into buckets of that size
-# (256 KiB in fp32): each all-to-all costs a fixed overhead per peer, and a model of many
-# tiny parameters (biases, norms) otherwise pays it hundreds of times a step. Larger
-# parameters still get a bucket of their own, and the arithmetic is the same either way
-# (each gradient is summed over ranks in rank order). Measured on scripts/bench_bucketless.py
-# (2 ranks): 1.46x fairscale's step time with one all-to-all per parameter and two in
-# flight, 1.22x with the byte budget of Note [reductions in flight], 0.83x with both.
-_MIN_BUCKET_NUMEL = 2**16
+_MIN_BUCKET_NUMEL = 2**16  # Note [small parameters share a bucket] in grad_buckets
 
 # Note [owner's gradient across backward passes]
 # After a reduction the owner's ``.grad`` holds the *averaged* gradient; no other rank has
@@ -80,6 +73,10 @@ class ShardedDataParallel(nn.Module):
     and freed; a full bucket is sent with one all-to-all that delivers every parameter's
     gradient to its owner only (Note [reduce to owner]). After backward a rank holds
     gradients for the parameters it owns and ``OSS.step`` updates and re-gathers them.
+    With OSS master weights (``master_dtype``), a low-precision parameter's reduced gradient
+    goes to its master's fp32 ``.grad`` on the owner and accumulates there (Note [reduce into
+    master gradients]); under ``no_sync`` local sums are kept in fp32 (Note [no_sync sums in
+    master precision], 4 bytes per parameter while accumulating).
 
     Args:
         module: the model; all its parameters on one device type.
@@ -94,15 +91,17 @@ class ShardedDataParallel(nn.Module):
         reduce_fp16: send fp32 gradients as fp16 (half the bytes).
         warn_on_trainable_params_changed: warn (once per change) when trainability changes.
         reduce_dtype: send fp32 gradients in this dtype instead (e.g. ``torch.bfloat16``);
-            overrides ``reduce_fp16``.
+            overrides ``reduce_fp16``. With master weights, also the dtype the
+            low-precision gradients travel in: default the optimizers' ``master_dtype``
+            (fp32, exact), ``torch.bfloat16`` for half the bytes.
 
     Raises:
         TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS, or a trainable
             embedding produces sparse gradients (``sparse=True``).
         ValueError: parameters span device types, optimizers overlap or do not cover the
             module's trainable parameters, an optimizer's group differs from
-            ``process_group``, a negative ``reduce_buffer_size``, or a ``reduce_dtype`` that
-            is not a floating dtype.
+            ``process_group``, the optimizers have different ``master_dtype``, a negative
+            ``reduce_buffer_size``, or a ``reduce_dtype`` that is not a floating dtype.
     """
 
     def __init__(
@@ -160,9 +159,17 @@ class ShardedDataParallel(nn.Module):
         self.reduce_buffer_size = reduce_buffer_size
         self.auto_refresh_trainable = auto_refresh_trainable
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        master_dtypes = sorted({str(o.master_dtype) for o in optimizers})
+        if len(master_dtypes) > 1:
+            raise ValueError(f"the sharded optimizers have different master_dtype ({', '.join(master_dtypes)}); "
+                             "gradients of one dtype are reduced alike: give every OSS the same master_dtype")
         self._wire_dtypes: dict[torch.dtype, torch.dtype] = {}
         if reduce_dtype is not None or reduce_fp16:
             self._wire_dtypes[torch.float32] = reduce_dtype or torch.float16
+        master = optimizers[0].master_dtype  # Note [reduce into master gradients]
+        self._grad_dtypes = {p.dtype: master for p in module.parameters() if master and needs_master(p.dtype, master)}
+        self._wire_dtypes.update({d: reduce_dtype or m for d, m in self._grad_dtypes.items()})
+        self._local_sums = LocalSums(self._grad_dtypes)
         self._should_sync = True
         self._hook_handles: list[Any] = []
         self._accumulators: list[Any] = []
@@ -180,6 +187,7 @@ class ShardedDataParallel(nn.Module):
         check_agreement("ShardedDataParallel", [
             ("reduce_buffer_size", reduce_buffer_size),
             ("reduce dtype", {str(k): str(v) for k, v in self._wire_dtypes.items()}),
+            ("master dtype", {str(k): str(v) for k, v in self._grad_dtypes.items()}),
             ("broadcast_buffers", broadcast_buffers), ("sync_models_at_startup", sync_models_at_startup),
             ("parameters", [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]),
             ("buffers", [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]),
@@ -198,6 +206,7 @@ class ShardedDataParallel(nn.Module):
 
     def _owners(self) -> dict[torch.Tensor, int]:
         owners: dict[torch.Tensor, int] = {}
+        self._optim_of: dict[torch.Tensor, OSS] = {}
         source: dict[torch.Tensor, int] = {}
         for k, opt in enumerate(self.sharded_optimizers):
             for i, p in enumerate(opt.params):
@@ -213,6 +222,7 @@ class ShardedDataParallel(nn.Module):
                                      "give each parameter to exactly one OSS")
                 owners[p] = opt.partition.owners[i]
                 source[p] = k
+                self._optim_of[p] = opt
         return owners
 
     def _setup(self) -> None:
@@ -228,7 +238,7 @@ class ShardedDataParallel(nn.Module):
                 "in any sharded optimizer; build OSS over all of them: OSS(model.parameters(), ...)"
             )
         specs = plan_buckets(trainable, [owners[p] for p in trainable], self.world_size,
-                             self.reduce_buffer_size or _MIN_BUCKET_NUMEL, self._wire_dtypes)
+                             self.reduce_buffer_size or _MIN_BUCKET_NUMEL, self._wire_dtypes, self._grad_dtypes)
         self._buckets = [GradBucket(spec, self.rank, 1.0 / self.world_size) for spec in specs]
         self._bucket_of = {p: b for b in self._buckets for p in b.spec.params}
         # The engine holds AccumulateGrad nodes weakly: keep them, or the hooks die with them.
@@ -266,6 +276,7 @@ class ShardedDataParallel(nn.Module):
             opt.refresh_trainable()
         self._set_aside.clear()
         self._written.clear()
+        self._local_sums.clear()
         self._setup()
 
     def _check_trainability(self) -> None:
@@ -322,6 +333,9 @@ class ShardedDataParallel(nn.Module):
         for param, kept in self._set_aside.items():  # Note [owner's gradient across backward passes]
             param.grad = kept if param.grad is None else kept.add_(param.grad)
         self._set_aside.clear()
+        for p, total in self._local_sums.items():  # no_sync sums back into .grad (rounded)
+            p.grad = total.to(p.dtype) if p.grad is None else p.grad.add_(total)
+        self._local_sums.clear()
         self._written.clear()
         self._closed = True
 
@@ -414,6 +428,7 @@ class ShardedDataParallel(nn.Module):
         self._check_accumulated(param)
         if not self._should_sync:
             self._local_pending.add(param)
+            self._local_sums.keep(param)  # Note [no_sync sums in master precision]
             return
         bucket = self._bucket_of[param]
         if bucket.spec.index < self._next_launch or bucket.holds(param):  # Note [reentrant checkpoints]
@@ -426,8 +441,9 @@ class ShardedDataParallel(nn.Module):
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        assert param.grad is not None
-        bucket.add(param, param.grad)
+        grad = self._local_sums.take(param, param.grad)
+        assert grad is not None
+        bucket.add(param, grad)
         param.grad = None
         self._local_pending.discard(param)
         self._launch_ready()
@@ -468,6 +484,9 @@ class ShardedDataParallel(nn.Module):
         pending.wait()
         self._bytes_in_flight -= bucket.nbytes
         for param, reduced in bucket.unpack(recv, self.world_size):
+            if bucket.spec.grad_dtype != param.dtype:  # Note [reduce into master gradients]
+                self._add_to_master(param, reduced)
+                continue
             kept = self._set_aside.pop(param, None)
             if reduced is None:
                 if kept is not None:
@@ -478,6 +497,12 @@ class ShardedDataParallel(nn.Module):
             param.grad = reduced
             self._written[param] = weakref.ref(reduced)
 
+    def _add_to_master(self, param: torch.Tensor, reduced: torch.Tensor | None) -> None:
+        master = self._optim_of[param].master_of(param)
+        assert master is not None, f"[rank {self.rank}] {self._name_of(param)!r} was reduced here, but has no master"
+        if reduced is not None:
+            master.grad = reduced if master.grad is None else master.grad.add_(reduced)
+
     def _on_backward_end(self) -> None:
         self._flush()
 
@@ -485,8 +510,9 @@ class ShardedDataParallel(nn.Module):
         """Send every bucket not yet sent (gradients accumulated under no_sync included)."""
         for bucket in self._buckets[self._next_launch :]:
             for param in bucket.spec.params:
-                if param in self._local_pending and param.grad is not None:
-                    bucket.add(param, param.grad)
+                grad = self._local_sums.take(param, param.grad) if param in self._local_pending else None
+                if grad is not None:
+                    bucket.add(param, grad)
                     param.grad = None
             self._launch(bucket)
         while self._in_flight:
@@ -517,13 +543,18 @@ class ShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ state
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero (or drop) the gradients of every parameter, and anything set aside.
+        """Zero (or drop) the gradients of every parameter, and anything set aside: masters'
+        gradients and ``no_sync`` sums too (``module.zero_grad()`` reaches neither).
 
         Args:
             set_to_none: drop the gradients instead of zeroing them (default ``False``, as
                 fairscale's; either is safe, see Note [owner's gradient across backward passes]).
         """
         self.module.zero_grad(set_to_none=set_to_none)
+        for master in [opt.master_of(p) for p, opt in self._optim_of.items()]:
+            if master is not None:
+                master.grad = None
+        self._local_sums.clear()
         self._set_aside.clear()
         self._written.clear()
         self._local_pending.clear()

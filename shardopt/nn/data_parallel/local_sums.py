@@ -1,0 +1,67 @@
+"""Local gradient sums in the master dtype, for ShardedDataParallel's ``no_sync``.
+
+Note [no_sync sums in master precision]
+Under ``no_sync`` each rank accumulates its micro-batch gradients locally and reduces the
+sum once. Left in a bf16 ``param.grad``, every micro-batch's addition would round to bf16's
+8 bits of mantissa. With master weights, ShardedDataParallel instead moves each
+low-precision gradient, as autograd finishes accumulating it, into a sum in the master dtype
+(fp32) and frees ``param.grad``; the reduction then sends that sum. The cost: while
+accumulating under ``no_sync``, every rank holds an fp32 sum for every trainable
+low-precision parameter, 4 bytes per parameter where a bf16 ``.grad`` would hold 2 (the
+whole model, not a shard: every rank has a local gradient for every parameter). The sums
+are freed as they are copied into the reduction buckets. Accumulation without ``no_sync``
+costs nothing extra: each backward is reduced at once and the owner adds into the fp32
+master gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["LocalSums"]
+
+
+class LocalSums:
+    """Per-parameter local gradient sums in a wider dtype (Note [no_sync sums in master precision]).
+
+    Args:
+        sum_dtype_of: maps a parameter dtype to the dtype its local sum is kept in;
+            parameters of other dtypes accumulate in ``.grad`` as usual.
+    """
+
+    def __init__(self, sum_dtype_of: dict[torch.dtype, torch.dtype]) -> None:
+        self._sum_dtype_of = dict(sum_dtype_of)
+        self._sums: dict[torch.Tensor, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+    @torch.no_grad()
+    def keep(self, param: torch.Tensor) -> None:
+        """Move ``param.grad`` into the parameter's sum (a no-op for other dtypes)."""
+        grad = param.grad
+        dtype = self._sum_dtype_of.get(param.dtype)
+        if grad is None or dtype is None:
+            return
+        total = self._sums.get(param)
+        if total is None:
+            self._sums[param] = grad.detach().to(dtype)
+        else:
+            total.add_(grad.detach())
+        param.grad = None
+
+    @torch.no_grad()
+    def take(self, param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The parameter's local sum plus ``grad`` (either may be absent), removing the sum."""
+        total = self._sums.pop(param, None)
+        if total is None:
+            return grad
+        return total if grad is None else total.add_(grad.detach())
+
+    def items(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, sum)`` pairs still held."""
+        return list(self._sums.items())
+
+    def clear(self) -> None:
+        """Drop every sum."""
+        self._sums.clear()

@@ -1,0 +1,233 @@
+"""Master weights for :class:`~shardopt.optim.OSS`: mixed-precision ZeRO-1/2.
+
+Note [master weights]
+With ``OSS(..., master_dtype=torch.float32)`` over bf16 or fp16 parameters, the rank that
+owns a parameter keeps a copy of it in ``master_dtype`` (its *master*), and only that rank:
+the wrapped torch optimizer is built over the masters, so its state (Adam's moments,
+momentum) is fp32 too. A step folds the gradient into the master's fp32 ``.grad`` (Note
+[master gradients]), updates the master, rounds it into the low-precision parameter
+(``param.copy_(master)``, round to nearest even) and frees the master's gradient; the
+parameters are then gathered in their own dtype, half the bytes of fp32. Per parameter
+that is 2 bytes of bf16 weights on every rank plus, with Adam, 16 bytes (master, two
+moments, gradient during the step) on its owner only: ``2 + 16/N`` bytes per parameter,
+against DDP-with-fp32-masters' 2 + 16.
+
+Which parameters get one is a rule on the dtype alone (:func:`needs_master`), so every rank
+(and ShardedDataParallel, which plans its buckets with it) reaches the same answer without
+talking: a trainable floating parameter narrower than ``master_dtype``. A parameter already
+in ``master_dtype`` (an fp32 norm in a bf16 model) is stepped as itself, as without masters.
+A parameter that ``master_dtype`` cannot hold exactly (wider, or as wide but another format,
+fp16 under a bf16 master) is refused. A frozen parameter's master, if it has one, is kept
+with its parked optimizer state (Note [parked state] in :mod:`shardopt.optim.oss`) and moves
+with it; a master is only ever created from its parameter when none exists on its owner.
+
+Note [master gradients]
+What a step uses, for each master: ``master.grad`` (fp32), to which any ``param.grad`` on the
+owner is added in ``master_dtype`` and then freed. ShardedDataParallel writes the reduced,
+averaged gradient straight into ``master.grad`` (and adds there across backward passes, so
+accumulation sums in fp32); under DDP (ZeRO-1) the gradient arrives in ``param.grad`` and is
+cast here. The fold runs at the step, and earlier where fp32 gradients are needed first
+(``ShardedGradScaler.unscale_``, ``OSS.clip_grad_norm``): after it the owner holds no
+low-precision gradient for its parameters. After the step every master's gradient is freed,
+as DeepSpeed frees its fp32 gradient partition; ``OSS.zero_grad`` frees them too, whatever
+``set_to_none`` says (a freed gradient adds exactly as zeros would).
+
+Note [masters follow outside writes]
+A master is the truth for its parameter, so a write to the parameter that the optimizer does
+not see (``model.load_state_dict`` after the optimizer was built, ShardedDataParallel's
+start-up broadcast, a weight clamp under ``torch.no_grad()``) would be undone by the next
+step. Before the optimizer uses the masters (a step, a state dict), each master is checked
+against its parameter: if the two were never compared (a new, migrated or loaded master) or
+the parameter's version counter moved since they last agreed, and the parameter differs from
+the master rounded to its dtype, the master is re-created from the parameter. The first
+comparison also catches writes made before the first step that bypass the version counter
+(DDP's and ShardedDataParallel's start-up broadcasts write through ``.data``). The version
+check is a Python integer comparison per parameter; the value comparison runs once per
+write. A write that bypasses the version counter (``param.data.copy_(...)``) after the first
+step is not seen: write through ``torch.no_grad()`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from shardopt.state_checks import MASTER_KEY
+
+__all__ = ["MASTER_KEY", "MasterWeights", "check_master_dtype", "needs_master"]
+
+logger = logging.getLogger(__name__)
+
+
+def needs_master(param_dtype: torch.dtype, master_dtype: torch.dtype | None) -> bool:
+    """Whether a trainable parameter of ``param_dtype`` gets a master (Note [master weights]).
+
+    Args:
+        param_dtype: the parameter's dtype.
+        master_dtype: the optimizer's ``master_dtype`` (``None``: masters are off).
+
+    Returns:
+        ``True`` for a floating dtype narrower than ``master_dtype``.
+    """
+    return (master_dtype is not None and param_dtype.is_floating_point and param_dtype != master_dtype
+            and param_dtype.itemsize < master_dtype.itemsize)
+
+
+def check_master_dtype(master_dtype: object, params: Sequence[torch.Tensor]) -> bool:
+    """Refuse a ``master_dtype`` that is no floating dtype or cannot hold every parameter.
+
+    Args:
+        master_dtype: the value given to ``OSS(master_dtype=...)``.
+        params: every parameter of the optimizer, in order (frozen ones too: they may be
+            unfrozen later).
+
+    Returns:
+        Whether any parameter gets a master (``False`` for ``None``, or when every floating
+        parameter is already in ``master_dtype``).
+
+    Raises:
+        TypeError: ``master_dtype`` is not a ``torch.dtype``.
+        ValueError: ``master_dtype`` is not floating, or is narrower than (or as wide as but
+            another format than) a parameter, or a trainable parameter is not floating.
+    """
+    if master_dtype is None:
+        return False
+    if not isinstance(master_dtype, torch.dtype):
+        raise TypeError(f"master_dtype must be a torch.dtype such as torch.float32, got {type(master_dtype).__name__} "
+                        f"{master_dtype!r}; pass OSS(..., master_dtype=torch.float32)")
+    if not master_dtype.is_floating_point:
+        raise ValueError(f"master_dtype must be a floating dtype, got {master_dtype}; master weights hold the "
+                         "parameters' exact values: pass master_dtype=torch.float32")
+    for i, p in enumerate(params):
+        if p.dtype == master_dtype or needs_master(p.dtype, master_dtype):
+            continue
+        if not p.dtype.is_floating_point and not p.requires_grad:
+            continue  # an integer parameter is never trained
+        raise ValueError(
+            f"master_dtype={master_dtype} cannot hold parameter {i} (shape {tuple(p.shape)}, dtype {p.dtype}): "
+            "a master must be wider than its parameter (or the same dtype, which keeps none); pass a wider "
+            f"master_dtype (torch.float32 for bf16/fp16 parameters, torch.float64 for fp32 ones) or cast the "
+            "model to a narrower dtype"
+        )
+    return any(needs_master(p.dtype, master_dtype) for p in params)
+
+
+class MasterWeights:
+    """This rank's master copies of the trainable parameters it owns (Note [master weights]).
+
+    How it works: masters are keyed by the parameter's index in ``OSS.params``. The owning
+    optimizer rebuilds the set whenever ownership changes, handing over the masters it
+    carried (kept, migrated or loaded); every other method walks the current set. With
+    ``dtype=None`` the set is always empty and every method is a no-op.
+
+    Args:
+        dtype: the masters' dtype (``OSS.master_dtype``), or ``None`` for no masters.
+    """
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+        self._masters: dict[int, torch.Tensor] = {}
+        self._agreed: dict[int, int | None] = {}  # param._version when it last equalled its master
+
+    def __len__(self) -> int:
+        return len(self._masters)
+
+    def get(self, index: int) -> torch.Tensor | None:
+        """The master of ``params[index]``, or ``None`` when this rank keeps none for it."""
+        return self._masters.get(index)
+
+    def items(self) -> Iterable[tuple[int, torch.Tensor]]:
+        """``(index, master)`` pairs, by index."""
+        return self._masters.items()
+
+    def stepped(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the shard optimizer steps for ``params[index]``: its master, or itself."""
+        return self._masters.get(index, param)
+
+    def rebuild(self, params: Sequence[torch.Tensor], indices: Iterable[int],
+                carried: Mapping[int, torch.Tensor]) -> None:
+        """Keep masters for ``params[i]``, ``i`` in ``indices`` (this rank's trainable ones).
+
+        Args:
+            params: every parameter, by index.
+            indices: the trainable parameters this rank owns now.
+            carried: masters that already exist for some of them (moved to the parameter's
+                device and cast to ``dtype`` when they are not there already). The others
+                are created from their parameter.
+        """
+        masters: dict[int, torch.Tensor] = {}
+        agreed: dict[int, int | None] = {}
+        for i in sorted(indices):
+            p = params[i]
+            if not needs_master(p.dtype, self.dtype):
+                continue
+            source = carried.get(i)
+            if source is None:
+                master = p.detach().to(self.dtype, copy=True)
+            else:
+                master = source.detach().to(device=p.device, dtype=self.dtype)
+            masters[i] = master.requires_grad_(True)
+            agreed[i] = None  # compared at the first use (Note [masters follow outside writes])
+        self._masters, self._agreed = masters, agreed
+
+    @torch.no_grad()
+    def follow_outside_writes(self, params: Sequence[torch.Tensor]) -> None:
+        """Re-create from its parameter any master the parameter no longer rounds from
+        (Note [masters follow outside writes])."""
+        for i, master in self._masters.items():
+            p = params[i]
+            if self._agreed[i] == p._version:
+                continue
+            if not torch.equal(master.to(p.dtype), p.detach()):
+                logger.info("parameter %s was written outside the optimizer; its master follows it", i)
+                master.copy_(p.detach())
+            self._agreed[i] = p._version
+
+    @torch.no_grad()
+    def fold_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Add each parameter's ``.grad`` into its master's, in ``dtype``, and free it
+        (Note [master gradients])."""
+        for i, master in self._masters.items():
+            p = params[i]
+            grad = p.grad
+            if grad is None:
+                continue
+            if master.grad is None:
+                master.grad = grad.detach().to(master.dtype)
+            else:
+                master.grad.add_(grad.detach())
+            p.grad = None
+
+    @torch.no_grad()
+    def write_back(self, params: Sequence[torch.Tensor]) -> None:
+        """Round every master into its parameter and free the masters' gradients."""
+        for i, master in self._masters.items():
+            p = params[i]
+            p.copy_(master)
+            self._agreed[i] = p._version
+            master.grad = None
+
+    def free_grads(self) -> None:
+        """Drop every master's gradient."""
+        for master in self._masters.values():
+            master.grad = None
+
+    @torch.no_grad()
+    def load(self, params: Sequence[torch.Tensor], saved: Mapping[int, torch.Tensor]) -> list[int]:
+        """Overwrite the masters from ``saved`` (by index); the ones it lacks restart from
+        their parameter.
+
+        Returns:
+            The indices whose master restarted from the parameter.
+        """
+        missing = []
+        for i, master in self._masters.items():
+            value = saved.get(i)
+            if value is None:
+                missing.append(i)
+                value = params[i].detach()
+            master.copy_(value)
+            self._agreed[i] = None
+        return missing

@@ -1,0 +1,100 @@
+"""Shared by the master-weight tests: a bf16 model, per-rank bf16 data, and a single-process
+reference that does the arithmetic of ZeRO-1/2 with fp32 masters cast for cast."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.helpers.data import rank_batch, seeded_mlp
+
+LOW = torch.bfloat16
+
+
+def low_mlp(seed: int = 0, dtype: torch.dtype = LOW) -> nn.Module:
+    """The seeded MLP of the other tests, cast to a low-precision dtype after its fp32 init."""
+    return seeded_mlp(seed, dtype=dtype)
+
+
+def low_batch(rank: int, step: int, dtype: torch.dtype = LOW) -> torch.Tensor:
+    return rank_batch(rank, step).to(dtype)
+
+
+def loss_of(model: nn.Module, rank: int, step: int, dtype: torch.dtype = LOW) -> torch.Tensor:
+    return model(low_batch(rank, step, dtype)).float().pow(2).mean()
+
+
+def max_ulps(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor], dtype: torch.dtype = LOW) -> float:
+    """Largest elementwise |a - b| in units of ``dtype``'s spacing at max(|a|, |b|)."""
+    worst = 0.0
+    mantissa = torch.finfo(dtype).eps  # spacing at 1.0
+    for x, y in zip(a, b, strict=True):
+        x, y = x.detach().double(), y.detach().double()
+        scale = torch.maximum(x.abs(), y.abs()).clamp_min(torch.finfo(dtype).tiny)
+        _, exponent = torch.frexp(scale)  # scale = m * 2**exponent, 0.5 <= m < 1
+        ulp = mantissa * torch.pow(2.0, exponent.double() - 1)
+        worst = max(worst, ((x - y).abs() / ulp).max().item())
+    return worst
+
+
+def rank_order_sum(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``rows[0] + rows[1] + ...`` in rank order, as the owner sums a bucket."""
+    total = rows[0] + rows[1] if len(rows) > 1 else rows[0].clone()
+    for row in rows[2:]:
+        total += row
+    return total
+
+
+def sdp_reduce(per_rank: list[torch.Tensor], wire: torch.dtype, master: torch.dtype = torch.float32) -> torch.Tensor:
+    """ShardedDataParallel's arithmetic for one gradient with masters: each rank's gradient
+    scaled by 1/N in the wire dtype (widened exactly first when narrower), every row widened
+    to the master dtype and summed in rank order."""
+    n = len(per_rank)
+    rows = []
+    for g in per_rank:
+        if g.dtype.itemsize < wire.itemsize:
+            row = g.to(wire) * (1.0 / n)
+        else:
+            row = torch.mul(g, 1.0 / n).to(wire)
+        rows.append(row.to(master))
+    return rank_order_sum(rows)
+
+
+def ddp_reduce(per_rank: list[torch.Tensor]) -> torch.Tensor:
+    """DDP's arithmetic in the gradient's own dtype (bit-exact at 2 ranks only)."""
+    return rank_order_sum([g * (1.0 / len(per_rank)) for g in per_rank])
+
+
+class MasterReference:
+    """One process doing the same casts: low-precision forward/backward per rank's data, a
+    reduction given by the caller, an fp32 master update with the same torch optimizer,
+    rounding into the low-precision parameters.
+
+    Args:
+        model: the low-precision model (same seed as the distributed one).
+        optim: the optimizer class; ``kwargs`` its arguments.
+    """
+
+    def __init__(self, model: nn.Module, optim: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters()]
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.opt = optim(self.masters, **kwargs)
+
+    def local_grads(self, loss: Callable[[nn.Module], torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter's low-precision gradient of ``loss(model)``."""
+        return [g.detach() for g in torch.autograd.grad(loss(self.model), self.params)]
+
+    def add_master_grads(self, grads: list[torch.Tensor]) -> None:
+        for m, g in zip(self.masters, grads, strict=True):
+            m.grad = g.clone() if m.grad is None else m.grad.add_(g)
+
+    def step(self) -> None:
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+                m.grad = None

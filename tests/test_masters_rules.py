@@ -1,0 +1,64 @@
+"""The master-weight rules that need no process: which parameters get a master, the
+dtype checks and their messages, the shape rule for saved masters, and the fp32 no_sync
+sums. (The distributed behaviour is in test_oss_masters.py and test_sharded_ddp_masters.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardopt.nn.data_parallel.local_sums import LocalSums
+from shardopt.optim.masters import check_master_dtype, needs_master
+from shardopt.state_checks import MASTER_KEY, entry_fits
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def test_needs_master_is_a_rule_on_dtypes() -> None:
+    assert needs_master(BF16, F32) and needs_master(torch.float16, F32) and needs_master(F32, torch.float64)
+    assert not needs_master(F32, F32) and not needs_master(BF16, None) and not needs_master(torch.int64, F32)
+    assert not needs_master(torch.float16, BF16)  # as wide, another format: refused by check_master_dtype
+
+
+def test_check_master_dtype_names_argument_value_rule_and_fix() -> None:
+    bf16 = [nn.Parameter(torch.zeros(2, 3, dtype=BF16))]
+    with pytest.raises(TypeError, match=r"master_dtype must be a torch.dtype such as torch.float32, got str "
+                                        r"'float32'; pass OSS\(\.\.\., master_dtype=torch.float32\)"):
+        check_master_dtype("float32", bf16)
+    with pytest.raises(ValueError, match=r"master_dtype must be a floating dtype, got torch.int32; .*pass "
+                                         r"master_dtype=torch.float32"):
+        check_master_dtype(torch.int32, bf16)
+    with pytest.raises(ValueError, match=r"master_dtype=torch.float16 cannot hold parameter 0 \(shape \(2, 3\), "
+                                         r"dtype torch.bfloat16\): a master must be wider than its parameter"):
+        check_master_dtype(torch.float16, bf16)
+    assert check_master_dtype(F32, bf16) and not check_master_dtype(F32, [nn.Parameter(torch.zeros(2))])
+    assert not check_master_dtype(None, bf16)
+
+
+def test_saved_master_must_have_its_parameters_exact_shape() -> None:
+    shape = torch.Size([16, 8])
+    assert entry_fits(MASTER_KEY, torch.zeros(16, 8), shape)
+    assert not entry_fits(MASTER_KEY, torch.zeros(16, 1), shape)  # fine for factored state, not a master
+    assert entry_fits("exp_avg_sq_row", torch.zeros(16, 1), shape)
+    assert not entry_fits(MASTER_KEY, torch.zeros(16, 8, dtype=torch.int32), shape)
+    assert not entry_fits(MASTER_KEY, 3.0, shape)
+
+
+def test_no_sync_sums_are_kept_in_fp32_and_free_the_low_precision_grad() -> None:
+    p = nn.Parameter(torch.zeros(4, dtype=BF16))
+    other = nn.Parameter(torch.zeros(4))
+    sums = LocalSums({BF16: F32})
+    tiny = torch.full((4,), 2.0**-9, dtype=BF16)  # below bf16's resolution at 1.0
+    p.grad = torch.ones(4, dtype=BF16)
+    sums.keep(p)
+    for _ in range(4):
+        p.grad = tiny.clone()
+        sums.keep(p)
+    other.grad = torch.ones(4)
+    sums.keep(other)  # another dtype: left in .grad
+    assert p.grad is None and other.grad is not None and len(sums) == 1
+    total = sums.take(p, torch.ones(4, dtype=BF16))
+    assert total is not None and total.dtype == F32
+    assert torch.equal(total, torch.full((4,), 2.0 + 4 * 2.0**-9))  # bf16 sums would have lost the 2**-9s
+    assert len(sums) == 0 and sums.take(p, None) is None
