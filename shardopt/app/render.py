@@ -14,6 +14,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import IO, Any
 
 import torch.distributed as dist
@@ -68,7 +69,8 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
     median = statistics.median(r.median_step_s for r in reports if r.median_step_s is not None) \
         if all(r.median_step_s is not None for r in reports) else None
     tokens_s = f"{first.tokens_per_step / median:,.0f}" if median else "n/a"
-    table = Table(title=f"shardopt demo: {job.mode}, model {job.preset} ({first.num_params / 1e6:.2f}M params), "
+    precision = "" if job.precision.name == "fp32" else f" ({job.precision.describe()})"
+    table = Table(title=f"shardopt demo: {job.mode}{precision}, model {job.preset} ({first.num_params / 1e6:.2f}M params), "
                         f"{first.world_size} ranks ({first.backend})",
                   caption=f"final loss (mean over ranks) {mean_loss:.4f}; {tokens_s} tokens/s; steps "
                           f"{first.start_step}->{job.steps}, statistics over {first.counted_steps} steps after "
@@ -104,8 +106,9 @@ def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any
         if rank != 0:
             runner.train(job)
             return None
-        console.print(f"shardopt demo: training {job.preset} with {job.mode} on {dist.get_world_size()} ranks, "
-                      f"{job.steps} steps")
+        precision = "" if job.precision.name == "fp32" else f" ({job.precision.describe()})"
+        console.print(f"shardopt demo: training {job.preset} with {job.mode}{precision} on {dist.get_world_size()} "
+                      f"ranks, {job.steps} steps")
         columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("loss {task.fields[loss]}"),
                    TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn())
         # No refresh thread: the bar is drawn in on_step only, outside the measured window, so
@@ -121,7 +124,7 @@ def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any
         console.print(demo_table(job, reports))
         payload = [r.as_dict() for r in reports]
         if json_path:
-            write_json(json_path, {"command": "demo", "job": {**job.__dict__}, "machine": machine_info(),
+            write_json(json_path, {"command": "demo", "job": asdict(job), "machine": machine_info(),
                                     "final_loss": statistics.fmean(r.final_loss for r in reports),
                                     "ranks": payload})
         return payload
