@@ -110,6 +110,27 @@ def _setup(precision: Precision) -> Any:
     return Setup(1e-3, torch.device("cpu"), precision)
 
 
+def test_estimate_labels_every_row_with_the_configuration_that_reaches_it(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--params", "7.5e9", "--world-size", "64", "--json", str(out)]) == 0
+    rows = {r["stage"]: r for r in _json(out)["rows"]}
+    printed = capsys.readouterr().out
+    assert rows["ZeRO-2"]["configuration"] == ("ShardedDataParallel(bf16 model, OSS(Adam, "
+                                               "master_dtype=torch.float32))")
+    assert rows["ZeRO-2"]["bench_mode"] == "zero2-bf16m" and rows["ZeRO-1"]["bench_mode"] == "zero1-bf16m"
+    assert round(rows["ZeRO-2"]["bytes"] / 1e9, 1) == 16.6 and round(rows["ZeRO-2"]["at_step_bytes"] / 1e9, 1) == 16.9
+    for text in ("ShardedDataParallel(bf16 model, OSS(Adam, master_dtype=torch.float32)) (zero2-bf16m)", "16.6",
+                 "16.9", "GB during the step", "MixedPrecision(param_dtype=torch.bfloat16)"):
+        assert text in printed, text
+    assert main(["estimate", "--params", "7.5e9", "--world-size", "64", "--fp32", "--json", str(out)]) == 0
+    rows = {r["stage"]: r for r in _json(out)["rows"]}
+    assert [r["bench_mode"] for r in rows.values()] == ["ddp", "zero1", "zero2", "zero3"]
+    assert rows["ZeRO-2"]["configuration"] == "ShardedDataParallel(model, OSS(Adam))"
+    assert rows["ZeRO-2"]["at_step_bytes"] == rows["ZeRO-2"]["bytes"]
+    assert "ShardedDataParallel(model, OSS(Adam)) (zero2)" in capsys.readouterr().out
+
+
 @pytest.mark.distributed
 def test_bench_mixed_modes_send_fewer_bytes_than_fp32_ddp_and_skip_a_missing_peer(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:

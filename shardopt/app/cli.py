@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9")
     what.add_argument("--model", help="a preset name or package.module:factory returning an nn.Module")
     est.add_argument("--world-size", type=_ranks, required=True, help="data-parallel ranks")
-    est.add_argument("--fp32", action="store_true", help="fp32 params/grads (default: mixed precision)")
+    est.add_argument("--fp32", action="store_true", help="fp32 params/grads (default: mixed precision: bf16 "
+                     "params with fp32 masters, as --precision bf16-master)")
     est.add_argument("--optimizer-bytes", type=_non_negative_float, default=None,
                      help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
     est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
@@ -415,11 +416,11 @@ def _estimate(args: argparse.Namespace) -> int:
                                     optimizer_bytes_per_param=args.optimizer_bytes, largest_layer_params=largest)
     except ValueError as exc:
         _fail("estimate", str(exc))
-    from shardopt.app.render import render_estimate, write_json
+    from shardopt.app.render import estimate_rows, render_estimate, write_json
 
     render_estimate(est)
     if args.json:
-        write_json(args.json, {"command": "estimate", **est.as_dict(), "unit": "bytes"})
+        write_json(args.json, {"command": "estimate", **est.as_dict(), "rows": estimate_rows(est), "unit": "bytes"})
     return 0
 
 
