@@ -40,19 +40,19 @@ PRECISION_ERRORS = [
     (["demo", "--mode", "fsdp2", "--precision", "bf16"], "modes with bf16: ddp, zero1, zero2"),
     (["demo", "--mode", "deepspeed-zero2"], "mode 'deepspeed-zero2' does not run at precision 'fp32'"),
     (["demo", "--precision", "bf16-master", "--amp", "bf16"],
-     "--amp bf16 autocasts fp32 parameters, but --precision bf16-master makes them bf16; drop --amp, or use "
-     "--precision fp32"),
+     ("--amp bf16 autocasts fp32 parameters, but --precision bf16-master makes them bf16; drop --amp, or use "
+      "--precision fp32")),
     (["demo", "--precision", "bf16", "--amp", "fp16"], "--amp fp16 autocasts fp32 parameters"),
     (["demo", "--reduce-dtype", "bf16"],
-     "--reduce-dtype bf16 picks how gradients reach the owner's fp32 masters; it needs --precision bf16-master, not "
-     "fp32"),
+     ("--reduce-dtype bf16 picks how gradients reach the owner's fp32 masters; it needs --precision bf16-master, "
+      "not fp32")),
     (["demo", "--mode", "zero1", "--precision", "bf16-master", "--reduce-dtype", "fp32"],
      ("--reduce-dtype: mode 'zero1' cannot choose the gradient reduce dtype (reduce dtype 'fp32'); modes that can: "
       "zero2, deepspeed-zero2")),
     (["demo", "--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
     (["demo", "--mode", "deepspeed-zero2", "--precision", "bf16-master"],
-     "mode 'deepspeed-zero2' needs deepspeed, which is not installed; install it with: DS_BUILD_OPS=0 pip install "
-     "deepspeed"),
+     ("mode 'deepspeed-zero2' needs deepspeed, which is not installed; install it with: DS_BUILD_OPS=0 pip "
+      "install deepspeed")),
     (["bench", "--modes", "zero3-bf16m"],
      ("--modes: unknown mode 'zero3-bf16m': mode 'zero3' does not run at precision 'bf16-master' (bf16 params + "
       "fp32 masters); it runs at fp32; modes with bf16-master: zero1, zero2, deepspeed-zero2; bench names for "
@@ -236,4 +236,5 @@ def test_deepspeed_accumulates_every_micro_batch(tmp_path: Any) -> None:
     def agreement(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
         return float(sum((a[k] == b[k]).float().mean() for k in a) / len(a))
 
-    assert agreement(ddp, deepspeed) > 0.99 > 0.9 > agreement(ddp, last_only)
+    assert agreement(ddp, deepspeed) > 0.99
+    assert agreement(ddp, last_only) < 0.9

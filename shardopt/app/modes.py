@@ -316,7 +316,8 @@ def _build_deepspeed_zero2(module: nn.Module, setup: Setup) -> Wrapped:
 
     if setup.device.type == "cpu":  # Note [deepspeed peer]: the inference-only shm op
         # by module path: the attribute deepspeed.comm.torch is the torch package itself
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        ds_torch_backend: Any = importlib.import_module("deepspeed.comm.torch")
+        ds_torch_backend.build_shm_op = lambda: None
     bucket = 2**23  # ShardedDataParallel's reduce_buffer_size
     config = {
         "train_micro_batch_size_per_gpu": setup.batch_size,

@@ -138,8 +138,8 @@ _SETUPS = {
         ("DDP", "DDP, bf16 params, fp32 masters + Adam on every rank (the paper's baseline; no shardopt mode)", None),
         ("ZeRO-1", "DDP(bf16 model) + OSS(Adam, master_dtype=torch.float32)", "zero1-bf16m"),
         ("ZeRO-2", "ShardedDataParallel(bf16 model, OSS(Adam, master_dtype=torch.float32))", "zero2-bf16m"),
-        ("ZeRO-3", "FullyShardedDataParallel(model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)) "
-                   "+ Adam", None),
+        ("ZeRO-3", ("FullyShardedDataParallel(model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)) "
+                    "+ Adam"), None),
     ),
     "fp32": (
         ("DDP", "DDP(model) + Adam", "ddp"),
