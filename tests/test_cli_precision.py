@@ -179,17 +179,24 @@ def test_demo_bf16_modes_match_ddp_bf16_and_master_modes_match_each_other(tmp_pa
 
 
 @pytest.mark.distributed
-def test_resume_refuses_a_checkpoint_of_another_precision(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    ckpt = str(tmp_path / "bf16.pt")
-    assert main(["demo", *TINY, "--steps", "2", "--precision", "bf16", "--checkpoint", ckpt]) == 0
+def test_master_checkpoints_resume_exactly_and_refuse_another_precision(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    def demo(name: str, *extra: str) -> dict[str, Any]:
+        out = tmp_path / f"{name}.json"
+        assert main(["demo", *TINY, "--precision", "bf16-master", "--json", str(out), *extra]) == 0
+        return _json(out)
+
+    ckpt = str(tmp_path / "masters.pt")
+    straight = demo("straight", "--steps", "4")
+    demo("first", "--steps", "2", "--checkpoint", ckpt)
     _assert_one_line_errors([
         (["demo", *TINY, "--checkpoint", ckpt, "--resume"],
-         f"checkpoint {ckpt!r} was saved at --precision bf16, not fp32; resume with --precision bf16"),
+         f"checkpoint {ckpt!r} was saved at --precision bf16-master, not fp32; resume with --precision bf16-master"),
     ], capsys)
-    out = tmp_path / "resumed.json"
-    assert main(["demo", *TINY, "--steps", "3", "--precision", "bf16", "--checkpoint", ckpt, "--resume",
-                 "--json", str(out)]) == 0
-    assert [r["start_step"] for r in _json(out)["ranks"]] == [2, 2]
+    resumed = demo("resumed", "--steps", "4", "--checkpoint", ckpt, "--resume")
+    assert [r["start_step"] for r in resumed["ranks"]] == [2, 2]
+    # the fp32 masters and their Adam state travel in the checkpoint: the resumed run is the straight one
+    assert [r["final_loss"] for r in resumed["ranks"]] == [r["final_loss"] for r in straight["ranks"]]
 
 
 @pytest.mark.distributed
