@@ -14,7 +14,7 @@ import torch
 
 from shardopt.app.cli import main
 from shardopt.app.launch import run_launched
-from shardopt.app.modes import MODES, resolve
+from shardopt.app.modes import MODES, bench_names, resolve
 from shardopt.app.precision import Precision
 from shardopt.app.runner import TrainJob
 from tests.test_cli import TINY, _assert_one_line_errors
@@ -62,7 +62,8 @@ PRECISION_ERRORS = [
      "--modes: mode 'zero2-bf16reduce': -bf16reduce needs fp32 masters (a -bf16m name before it)"),
     (["bench", "--modes", "zero1-bf16m-bf16reduce"], "mode 'zero1' cannot choose the gradient reduce dtype"),
     (["bench", "--modes", "deepspeed-zero2"], "bench names for deepspeed-zero2: deepspeed-zero2-bf16m"),
-    (["bench", "--modes", "zero2-fp16"], "--modes: unknown mode 'zero2-fp16'; choose from ddp, zero1"),
+    (["bench", "--modes", "zero2-fp16"], ("--modes: unknown mode 'zero2-fp16'; choose from ddp, ddp-bf16, zero1, "
+     "zero1-bf16, zero1-bf16m, zero2, zero2-bf16, zero2-bf16m, zero2-bf16m-bf16reduce, zero3, torch-zero")),
     (["bench", "--modes", "deepspeed-zero2-bf16m"],
      "none of --modes can run here: mode 'deepspeed-zero2' needs deepspeed, which is not installed"),
 ]
@@ -88,6 +89,7 @@ def test_every_mode_and_precision_has_one_bench_name_that_reads_back() -> None:
     assert {"ddp", "ddp-bf16", "zero1-bf16m", "zero2-bf16m", "zero2-bf16m-bf16reduce", "deepspeed-zero2-bf16m",
             "deepspeed-zero2-bf16m-bf16reduce"} <= set(names)
     assert len(names) == len(set(names)) + 2  # -bf16m with reduce fp32 is the default's name (zero2, deepspeed)
+    assert bench_names() == list(dict.fromkeys(names))
 
 
 def test_precision_and_train_job_refuse_what_does_not_exist() -> None:

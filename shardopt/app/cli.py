@@ -27,7 +27,7 @@ import torch
 from shardopt import __version__
 from shardopt.app.launch import run_launched, under_torchrun
 from shardopt.app.models import PRESETS
-from shardopt.app.modes import MODES, get_mode, resolve
+from shardopt.app.modes import MODES, bench_names, get_mode, resolve
 from shardopt.app.precision import PRECISIONS, REDUCE_DTYPES, Precision
 from shardopt.app.runner import TrainJob
 from shardopt.memory import estimate_model_states
@@ -152,12 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run modes one after another on the same model, data and seed.")
     _add_run_args(bench, steps=10, batch=4, preset="27m")
     bench.add_argument("--modes", default=None,
-                       help="comma-separated modes (default: every shardopt mode and installed peer, fp32); "
-                            f"known: {', '.join(MODES)}. A suffix picks the precision: -bf16 (bf16 parameters, as "
-                            "--precision bf16), -bf16m (bf16 parameters + fp32 masters on the owner, as --precision "
-                            "bf16-master), -bf16m-bf16reduce (the same, gradients reduced in bf16), e.g. "
-                            "ddp,ddp-bf16,zero1-bf16m,zero2-bf16m,zero2-bf16m-bf16reduce,deepspeed-zero2-bf16m. "
-                            "A peer whose library is missing is skipped with a note")
+                       help="comma-separated modes (default: every shardopt mode and installed peer in fp32); "
+                            "a suffix picks the precision: -bf16 (bf16 parameters, as demo's --precision bf16), "
+                            "-bf16m (bf16 parameters + fp32 masters on the owner, as --precision bf16-master), "
+                            "-bf16m-bf16reduce (the same, gradients reduced in bf16); known: "
+                            f"{', '.join(bench_names())}. A peer whose library is missing is skipped with a note")
     bench.add_argument("--rounds", type=_rounds, default=1,
                        help="run the list of modes this many times, interleaved, and pool each mode's step "
                             "times (default 1; use 3+ on a shared or noisy machine)")

@@ -36,8 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardopt.app.precision import Precision
 from shardopt.optim import OSS
 
-__all__ = ["MODES", "OWN_MODES", "PEER_MODES", "Mode", "Setup", "Wrapped", "full_parameters", "get_mode",
-           "load_optimizer_state", "resolve"]
+__all__ = ["MODES", "OWN_MODES", "PEER_MODES", "Mode", "Setup", "Wrapped", "bench_names", "full_parameters",
+           "get_mode", "load_optimizer_state", "resolve"]
 
 
 def _plain_backward(loss: torch.Tensor) -> None:
@@ -389,6 +389,18 @@ def get_mode(name: str) -> Mode:
     return MODES[name]
 
 
+def bench_names() -> list[str]:
+    """Every bench mode name: each mode at each precision it runs at, ``-bf16m`` modes that
+    choose their reduce dtype also with ``-bf16reduce`` (what :func:`resolve` accepts)."""
+    names = []
+    for mode in MODES.values():
+        for name in mode.precisions:
+            names.append(f"{mode.name}{Precision(name).suffix}")
+            if name == "bf16-master" and "bf16" in mode.reduce_dtypes:
+                names.append(f"{mode.name}{Precision(name, 'bf16').suffix}")
+    return names
+
+
 def resolve(run_name: str) -> tuple[Mode, Precision]:
     """The mode and precision a bench mode name stands for, e.g. ``zero2-bf16m`` or ``ddp``.
 
@@ -409,8 +421,7 @@ def resolve(run_name: str) -> tuple[Mode, Precision]:
     """
     base, precision = Precision.split_name(run_name)
     if base not in MODES:
-        raise ValueError(f"unknown mode {run_name!r}; choose from {', '.join(MODES)}, optionally followed by "
-                         "-bf16, -bf16m or -bf16m-bf16reduce")
+        raise ValueError(f"unknown mode {run_name!r}; choose from {', '.join(bench_names())}")
     mode = MODES[base]
     reason = mode.refuses(precision)
     if reason is not None:
