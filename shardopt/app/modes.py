@@ -206,8 +206,6 @@ def _ddp(module: nn.Module, setup: Setup) -> DDP:
 
 def _oss(module: nn.Module, setup: Setup) -> OSS:
     """Adam sharded by OSS; with ``bf16-master`` the owner keeps fp32 masters of its shard."""
-    if setup.precision.master_dtype is None:
-        return OSS(module.parameters(), optim=torch.optim.Adam, lr=setup.lr)
     return OSS(module.parameters(), optim=torch.optim.Adam, master_dtype=setup.precision.master_dtype, lr=setup.lr)
 
 
@@ -227,8 +225,8 @@ def _build_zero2(module: nn.Module, setup: Setup) -> Wrapped:
     from shardopt.nn import ShardedDataParallel
 
     opt = _oss(module, setup)
-    wire = setup.precision.wire_dtype
-    model = ShardedDataParallel(module, opt) if wire is None else ShardedDataParallel(module, opt, reduce_dtype=wire)
+    # reduce_dtype None: fp32 gradients travel in fp32, bf16 ones in the masters' dtype (fp32)
+    model = ShardedDataParallel(module, opt, reduce_dtype=setup.precision.wire_dtype)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
