@@ -55,6 +55,14 @@ class ModelStateEstimate:
     stage 1 ``(2 + 2) Psi + K Psi / N``, stage 2 ``2 Psi + (2 + K) Psi / N`` and stage 3
     ``(2 + 2 + K) Psi / N``. In fp32 the parameter and gradient terms are 4 bytes each.
 
+    The paper counts a 2-byte gradient per parameter. shardopt's mixed-precision stages 1
+    and 2 (``OSS(..., master_dtype=torch.float32)`` over bf16 parameters, under DDP or
+    ShardedDataParallel) fold the owner's gradients into fp32 master gradients for the step
+    and free them after it (Note [master gradients] in :mod:`shardopt.optim.masters`): from
+    the reduction to the end of the step the owner's gradient share is
+    :attr:`master_grad_bytes` (4) per parameter instead of 2, which
+    :attr:`stage1_at_step` and :attr:`stage2_at_step` count.
+
     Attributes:
         num_params: Psi.
         world_size: N.
@@ -64,6 +72,9 @@ class ModelStateEstimate:
         grad_bytes: bytes of one gradient (2 or 4).
         largest_layer_params: the biggest single parameter tensor, when known (ZeRO-3 must
             gather at least that much at once); ``None`` for a bare count.
+        master_grad_bytes: bytes of one gradient as the owner holds it for the step with
+            master weights (4 for fp32 masters); ``None`` when gradients stay ``grad_bytes``
+            wide (fp32 training).
     """
 
     num_params: int
@@ -72,6 +83,7 @@ class ModelStateEstimate:
     param_bytes: int
     grad_bytes: int
     largest_layer_params: int | None = None
+    master_grad_bytes: int | None = None
 
     @property
     def ddp(self) -> float:
@@ -95,15 +107,30 @@ class ModelStateEstimate:
         """Bytes per rank with parameters partitioned too (ZeRO-3)."""
         return self.ddp / self.world_size
 
+    @property
+    def stage1_at_step(self) -> float:
+        """Stage 1 while the owner's gradients are master-width (full low-precision gradients
+        elsewhere, as DDP left them): :attr:`stage1` when there are no masters."""
+        extra = 0 if self.master_grad_bytes is None else self.master_grad_bytes - self.grad_bytes
+        return self.stage1 + extra * self.num_params / self.world_size
+
+    @property
+    def stage2_at_step(self) -> float:
+        """Stage 2 while the owner's gradient partition is master-width: :attr:`stage2` when
+        there are no masters."""
+        extra = 0 if self.master_grad_bytes is None else self.master_grad_bytes - self.grad_bytes
+        return self.stage2 + extra * self.num_params / self.world_size
+
     def as_dict(self) -> dict[str, float | int | None]:
-        """Inputs and the four per-rank byte counts, for JSON."""
+        """Inputs and the per-rank byte counts (the paper's four and shardopt's two at the step), for JSON."""
         return {
             "num_params": self.num_params, "world_size": self.world_size,
             "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
             "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
-            "largest_layer_params": self.largest_layer_params,
+            "largest_layer_params": self.largest_layer_params, "master_grad_bytes": self.master_grad_bytes,
             "ddp_bytes": self.ddp, "stage1_bytes": self.stage1, "stage2_bytes": self.stage2,
-            "stage3_bytes": self.stage3,
+            "stage3_bytes": self.stage3, "stage1_at_step_bytes": self.stage1_at_step,
+            "stage2_at_step_bytes": self.stage2_at_step,
         }
 
 
@@ -117,13 +144,15 @@ def estimate_model_states(
     """Model-state bytes per rank under DDP and ZeRO 1/2/3 (see :class:`ModelStateEstimate`).
 
     Example: the paper's 7.5B-parameter model on 64 ranks with mixed-precision Adam gives
-    120 / 31.4 / 16.6 / 1.9 GB.
+    120 / 31.4 / 16.6 / 1.9 GB; shardopt's stages 1 and 2 hold 31.6 and 16.9 GB during the
+    step (fp32 master gradients on the owner).
 
     Args:
         num_params: parameters in the model (Psi).
         world_size: data-parallel ranks (N).
         mixed_precision: fp16/bf16 parameters and gradients with fp32 optimizer state
-            (default K=12); otherwise fp32 everywhere (default K=8, Adam's two moments).
+            (default K=12) and fp32 master gradients at the step (``master_grad_bytes=4``);
+            otherwise fp32 everywhere (default K=8, Adam's two moments).
         optimizer_bytes_per_param: K, overriding the default for the precision.
         largest_layer_params: the biggest parameter tensor, carried into the result.
 
@@ -143,7 +172,8 @@ def estimate_model_states(
     if k < 0:
         raise ValueError(f"optimizer_bytes_per_param must be >= 0, got {k}")
     width = 2 if mixed_precision else 4
-    return ModelStateEstimate(int(num_params), int(world_size), float(k), width, width, largest_layer_params)
+    return ModelStateEstimate(int(num_params), int(world_size), float(k), width, width, largest_layer_params,
+                              master_grad_bytes=4 if mixed_precision else None)
 
 
 # ---------------------------------------------------------------------- measuring

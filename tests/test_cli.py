@@ -72,7 +72,7 @@ BAD_ARGUMENTS = [
     (["demo", "--mode", "zero9"], "argument --mode: invalid choice: 'zero9'"),
     (["demo", "--lr", "-1"], "argument --lr: must be > 0, got -1"),
     (["bench", "--steps", "ten"], "argument --steps: expected a positive integer, got 'ten'"),
-    (["bench", "--modes", "ddp,zero9"], "unknown mode 'zero9' in --modes"),
+    (["bench", "--modes", "ddp,zero9"], "--modes: unknown mode 'zero9'; choose from ddp, ddp-bf16, zero1"),
     (["bench", "--modes", "fairscale"], "mode 'fairscale' needs fairscale, which is not installed; install it"),
     (["demo", "--mode", "zero3"], "mode 'zero3' needs shardopt.nn.fsdp.FullyShardedDataParallel"),
     (["demo", "--resume"], "--resume needs --checkpoint PATH"),

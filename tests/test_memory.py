@@ -28,6 +28,19 @@ def test_estimate_fp32_uses_four_byte_params_and_k8() -> None:
     assert custom.ddp == custom.stage1 == custom.stage2 == custom.stage3 == 4000
 
 
+def test_estimate_counts_fp32_master_gradients_during_the_step() -> None:
+    # ZeRO-2 with fp32 masters: the owner's gradient share is fp32 (4 bytes) from the reduction to the end of
+    # the step, where the paper counts 2: 2 Psi + (4 + 12) Psi / N, and ZeRO-1 4 Psi + (12 + 4 - 2) Psi / N
+    est = memory.estimate_model_states(7_500_000_000, 64)
+    assert (round(est.stage1_at_step / 1e9, 2), round(est.stage2_at_step / 1e9, 3)) == (31.64, 16.875)
+    assert est.master_grad_bytes == 4 and est.as_dict()["stage2_at_step_bytes"] == est.stage2_at_step
+    small = memory.estimate_model_states(1000, 4)
+    assert (small.stage1_at_step, small.stage2_at_step) == (4000 + 3500, 2000 + 4000)
+    fp32 = memory.estimate_model_states(1000, 4, mixed_precision=False)
+    assert fp32.master_grad_bytes is None
+    assert (fp32.stage1_at_step, fp32.stage2_at_step) == (fp32.stage1, fp32.stage2)
+
+
 def test_estimate_rejects_bad_inputs_with_the_value() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         memory.estimate_model_states(10, 0)

@@ -29,8 +29,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardopt.app import runner
 from shardopt.app.launch import run_launched
+from shardopt.app.modes import resolve
 from shardopt.app.render import machine_info, mib, write_json
-from shardopt.app.modes import MODES
 
 __all__ = ["BenchConfig", "ModeResult", "bench_rank", "merge_rounds", "run_bench"]
 
@@ -40,7 +40,8 @@ class BenchConfig:
     """What ``shardopt bench`` runs and where its results go (checked by the CLI).
 
     Attributes:
-        modes: the modes to run, ``"ddp"`` first (the reference of every ratio).
+        modes: the bench mode names to run (a mode and a precision suffix, see
+            :func:`shardopt.app.modes.resolve`), ``"ddp"`` first (the reference of every ratio).
         model: the built-in model preset.
         steps: steps per mode and round, warm-up included.
         warmup_steps: steps left out of the step-time median.
@@ -53,6 +54,8 @@ class BenchConfig:
         json_path: where to write the results as JSON, or ``None``.
         plot_path: where to draw the comparison (PNG, needs matplotlib), or ``None``.
         device: where the ranks train (:data:`shardopt.app.runner.DEVICE_CHOICES`).
+        skipped: ``(name, reason)`` of requested peer modes that cannot run here (their
+            library is missing); shown under the table and kept in the JSON.
     """
 
     modes: tuple[str, ...]
@@ -68,6 +71,7 @@ class BenchConfig:
     json_path: str | None = None
     plot_path: str | None = None
     device: str = "auto"
+    skipped: tuple[tuple[str, str], ...] = ()
 
 
 @record
@@ -139,14 +143,18 @@ def run_bench(config: BenchConfig) -> int:
     runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
     diffs: dict[str, float] = {name: 0.0 for name in names}
     rounds: int = args.rounds
+    for name, reason in args.skipped:
+        console.print(f"bench: skipping {name}: {reason}")
     with tempfile.TemporaryDirectory(prefix="shardopt-bench-") as tmp:
         for round_index in range(rounds):
             reference: dict[str, torch.Tensor] | None = None
             for name in names:
                 params_path = os.path.join(tmp, f"{name}.pt")
-                job = runner.TrainJob(mode=name, preset=args.model, steps=args.steps, batch_size=args.batch_size,
-                                      lr=args.lr, seed=args.seed, warmup_steps=args.warmup_steps,
-                                      params_out=params_path, threads_per_rank=threads, device=args.device)
+                mode, precision = resolve(name)
+                job = runner.TrainJob(mode=mode.name, precision=precision, preset=args.model, steps=args.steps,
+                                      batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                                      warmup_steps=args.warmup_steps, params_out=params_path, threads_per_rank=threads,
+                                      device=args.device)
                 where = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
                 with console.status(f"bench: {name} on {world} ranks ({args.steps} steps){where}"):
                     ranks = run_launched("bench", bench_rank, world, job)[0]
@@ -172,7 +180,9 @@ def run_bench(config: BenchConfig) -> int:
             "command": "bench", "machine": machine_info(), "world_size": world, "threads_per_rank": threads,
             "model": args.model, "num_params": results[0].ranks[0]["num_params"], "steps": args.steps,
             "warmup_steps": args.warmup_steps, "batch_size": args.batch_size, "seed": args.seed,
-            "rounds": rounds, "results": [{**r.__dict__} for r in results],
+            "rounds": rounds,
+            "results": [{**r.__dict__, "precision": resolve(r.mode)[1].describe()} for r in results],
+            "skipped": [{"mode": name, "reason": reason} for name, reason in args.skipped],
         })
     if args.plot_path:
         plot(results, args.plot_path, f"{args.model}, {world} ranks")
@@ -232,12 +242,16 @@ def bench_table(args: BenchConfig, world: int, results: list[ModeResult]) -> Tab
     counted = results[0].ranks[0]["counted_steps"]
     rounds = results[0].ranks[0].get("rounds", 1)
     pooled = f" ({rounds} interleaved rounds pooled)" if rounds > 1 else ""
+    suffixes = "; -bf16: bf16 params, -bf16m: bf16 params + fp32 masters on the owner, -bf16reduce: gradients " \
+        "reduced in bf16" if any(resolve(r.mode)[1].name != "fp32" for r in results) else ""
+    skipped = "".join(f"; skipped {name}: {reason}" for name, reason in args.skipped)
     table = Table(
         title=f"shardopt bench: model {args.model} ({results[0].ranks[0]['num_params'] / 1e6:.2f}M params), Adam, "
               f"{world} ranks, batch {args.batch_size}",
         caption=f"MiB per rank (rank 0 / rank 1 / ...); heap = malloc'ed bytes above the value before the model "
                 f"was built; sent = /proc/self/io wchar per step; median over {counted} steps{pooled} after "
-                f"{args.warmup_steps} warm-up each, ranks barrier-aligned; ratios against ddp (worst rank)",
+                f"{args.warmup_steps} warm-up each, ranks barrier-aligned; ratios against ddp (worst rank)"
+                f"{suffixes}{skipped}",
     )
     on_gpu = any(rank["device_peak"] is not None for r in results for rank in r.ranks)
     for column in ("mode", "heap after step", "heap peak", *(("GPU peak",) if on_gpu else ()), "sent/step",
@@ -274,7 +288,7 @@ def plot(results: list[ModeResult], path: str, title: str) -> None:
     names = [r.mode for r in results]
     for ax, (label, key, scale) in zip(axes, panels):
         values = [(r.worst(key) or 0.0) * scale for r in results]
-        ax.bar(names, values, color=["#888888" if MODES[n].peer else "#2a7ab9" for n in names])
+        ax.bar(names, values, color=["#888888" if resolve(n)[0].peer else "#2a7ab9" for n in names])
         ax.set_title(label)
         plt.setp(ax.get_xticklabels(), rotation=40, ha="right")
     fig.suptitle(f"shardopt bench: {title}")

@@ -26,10 +26,11 @@ import torch
 
 from shardopt import __version__
 from shardopt.app.launch import run_launched, under_torchrun
-from shardopt.memory import estimate_model_states
 from shardopt.app.models import PRESETS
-from shardopt.app.modes import MODES, get_mode
+from shardopt.app.modes import MODES, bench_names, get_mode, resolve
+from shardopt.app.precision import PRECISIONS, REDUCE_DTYPES, Precision
 from shardopt.app.runner import DEVICE_CHOICES, TrainJob
+from shardopt.memory import estimate_model_states
 
 __all__ = ["main"]
 
@@ -130,7 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(demo, steps=300, batch=8, preset="small")
     demo.add_argument("--mode", default="zero2", choices=list(MODES), help="how to train (default zero2)")
     demo.add_argument("--amp", choices=["bf16", "fp16"], default=None,
-                      help="autocast dtype; fp16 adds a (sharded) gradient scaler")
+                      help="autocast dtype over fp32 parameters; fp16 adds a (sharded) gradient scaler")
+    demo.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                      help="parameter precision: fp32 (default); bf16 (the model cast to bf16, Adam state bf16 too; "
+                           "ddp, zero1, zero2); bf16-master (bf16 parameters, fp32 master weights and Adam state on "
+                           "the rank that owns them, bf16 re-gather; zero1, zero2, deepspeed-zero2)")
+    demo.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default=None,
+                      help="with --precision bf16-master and zero2 or deepspeed-zero2: send gradients to their owner "
+                           "in fp32 (default) or bf16")
     demo.add_argument("--grad-accum", type=_batch, default=1,
                       help="micro-batches per step; all but the last run under no_sync (default 1)")
     demo.add_argument("--checkpoint", metavar="PATH", default=None,
@@ -148,8 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run modes one after another on the same model, data and seed.")
     _add_run_args(bench, steps=10, batch=4, preset="27m")
     bench.add_argument("--modes", default=None,
-                       help="comma-separated modes (default: every shardopt mode and installed peer); "
-                            f"known: {', '.join(MODES)}")
+                       help="comma-separated modes (default: every shardopt mode and installed peer in fp32); "
+                            "a suffix picks the precision: -bf16 (bf16 parameters, as demo's --precision bf16), "
+                            "-bf16m (bf16 parameters + fp32 masters on the owner, as --precision bf16-master), "
+                            "-bf16m-bf16reduce (the same, gradients reduced in bf16); known: "
+                            f"{', '.join(bench_names())}. A peer whose library is missing is skipped with a note")
     bench.add_argument("--rounds", type=_rounds, default=1,
                        help="run the list of modes this many times, interleaved, and pool each mode's step "
                             "times (default 1; use 3+ on a shared or noisy machine)")
@@ -161,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9")
     what.add_argument("--model", help="a preset name or package.module:factory returning an nn.Module")
     est.add_argument("--world-size", type=_ranks, required=True, help="data-parallel ranks")
-    est.add_argument("--fp32", action="store_true", help="fp32 params/grads (default: mixed precision)")
+    est.add_argument("--fp32", action="store_true", help="fp32 params/grads (default: mixed precision: bf16 "
+                     "params with fp32 masters, as --precision bf16-master)")
     est.add_argument("--optimizer-bytes", type=_non_negative_float, default=None,
                      help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
     est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
@@ -208,6 +220,7 @@ def _check_mode(command: str, name: str) -> None:
 def _demo(args: argparse.Namespace) -> int:
     world = _resolve_world("demo", args)
     _check_device("demo", args)
+    precision = _demo_precision(args)  # before _check_mode, which imports the mode's library
     _check_mode("demo", args.mode)
     _check_needs_checkpoint(args)
     mode = get_mode(args.mode)
@@ -222,7 +235,7 @@ def _demo(args: argparse.Namespace) -> int:
               "needed)")
     job = TrainJob(
         mode=args.mode, preset=args.model, steps=args.steps, batch_size=args.batch_size,
-        grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp,
+        grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp, precision=precision,
         warmup_steps=args.warmup_steps, checkpoint_path=checkpoint_path, resume=args.resume or args.resume_if_exists,
         save_every_steps=args.save_every, threads_per_rank=_threads_per_rank(args, world), device=args.device,
     )
@@ -242,6 +255,22 @@ def _demo(args: argparse.Namespace) -> int:
 
     results = run_launched("demo", demo_rank, world, job, args.json)
     return 0 if results else 1
+
+
+def _demo_precision(args: argparse.Namespace) -> Precision:
+    """``--precision`` and ``--reduce-dtype``, checked against each other, ``--amp`` and ``--mode``."""
+    if args.amp is not None and args.precision != "fp32":
+        _fail("demo", f"--amp {args.amp} autocasts fp32 parameters, but --precision {args.precision} makes them bf16; "
+              "drop --amp, or use --precision fp32")
+    if args.reduce_dtype is not None and args.precision != "bf16-master":
+        _fail("demo", f"--reduce-dtype {args.reduce_dtype} picks how gradients reach the owner's fp32 masters; it "
+              f"needs --precision bf16-master, not {args.precision}")
+    precision = Precision(args.precision, args.reduce_dtype)
+    reason = get_mode(args.mode).refuses(precision)
+    if reason is not None:
+        option = "--reduce-dtype" if precision.name in get_mode(args.mode).precisions else "--precision"
+        _fail("demo", f"{option}: {reason}")
+    return precision
 
 
 def _check_needs_checkpoint(args: argparse.Namespace) -> None:
@@ -307,14 +336,11 @@ def _bench(args: argparse.Namespace) -> int:
     if args.steps <= args.warmup_steps:
         _fail("bench", f"--steps {args.steps} leaves nothing to measure after --warmup-steps {args.warmup_steps}; "
               f"use --steps >= {args.warmup_steps + 8} for a median over 8 steps")
+    skipped: list[tuple[str, str]] = []
     if args.modes is None:
-        names = [n for n, m in MODES.items() if m.unavailable() is None]
+        names = [n for n, m in MODES.items() if "fp32" in m.precisions and m.unavailable() is None]
     else:
-        names = [n.strip() for n in args.modes.split(",") if n.strip()]
-        for name in names:
-            if name not in MODES:
-                _fail("bench", f"unknown mode {name!r} in --modes; choose from {', '.join(MODES)}")
-            _check_mode("bench", name)
+        names, skipped = _bench_modes(args.modes)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -331,7 +357,33 @@ def _bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, lr=args.lr, seed=args.seed, rounds=args.rounds, world_size=world,
         threads_per_rank=_threads_per_rank(args, world), json_path=args.json, plot_path=args.plot,
         device=args.device,
+        skipped=tuple(skipped),
     ))
+
+
+def _bench_modes(text: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """``--modes``: the names to run, and ``(name, reason)`` for peers skipped because their library is missing.
+
+    Unknown names and unsupported precisions are usage errors, as is an unavailable
+    shardopt mode (a broken installation); a missing peer is skipped with a note so the
+    other modes still run, unless nothing but the DDP reference would be left.
+    """
+    names, skipped = [], []
+    for name in dict.fromkeys(n.strip() for n in text.split(",") if n.strip()):
+        try:
+            mode, _ = resolve(name)
+        except ValueError as exc:
+            _fail("bench", f"--modes: {exc}")
+        reason = mode.unavailable()
+        if reason is None:
+            names.append(name)
+        elif mode.peer:
+            skipped.append((name, reason))
+        else:
+            _fail("bench", reason)
+    if skipped and not [n for n in names if n != "ddp"]:
+        _fail("bench", f"none of --modes can run here: {skipped[0][1]}")
+    return names, skipped
 
 
 # ---------------------------------------------------------------------- estimate
@@ -376,11 +428,11 @@ def _estimate(args: argparse.Namespace) -> int:
                                     optimizer_bytes_per_param=args.optimizer_bytes, largest_layer_params=largest)
     except ValueError as exc:
         _fail("estimate", str(exc))
-    from shardopt.app.render import render_estimate, write_json
+    from shardopt.app.render import estimate_rows, render_estimate, write_json
 
     render_estimate(est)
     if args.json:
-        write_json(args.json, {"command": "estimate", **est.as_dict(), "unit": "bytes"})
+        write_json(args.json, {"command": "estimate", **est.as_dict(), "rows": estimate_rows(est), "unit": "bytes"})
     return 0
 
 

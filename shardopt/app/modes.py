@@ -11,25 +11,38 @@ OSS`), ``zero2`` (OSS + ``shardopt.nn.ShardedDataParallel``), ``zero3``
 ``ZeroRedundancyOptimizer``), ``fairscale`` (fairscale OSS + ShardedDDP with
 ``zero_grad(set_to_none=False)``), ``fairscale-default`` (the same with the optimizer's
 default ``zero_grad()``), ``fsdp2`` and ``fsdp2-reshard`` (torch ``fully_shard`` with
-``reshard_after_forward`` False and True).
+``reshard_after_forward`` False and True), ``deepspeed-zero2`` (DeepSpeed's ZeRO-2 engine
+with bf16 parameters and fp32 masters, torch Adam).
+
+A mode runs at one :class:`~shardopt.app.precision.Precision` out of those it lists in
+:attr:`Mode.precisions`; :func:`resolve` reads a bench mode name such as
+``zero2-bf16m-bf16reduce`` as a mode and a precision and says which combinations exist.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ContextManager
+import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardopt.app.precision import Precision
 from shardopt.optim import OSS
 
-__all__ = ["MODES", "OWN_MODES", "PEER_MODES", "Mode", "Wrapped", "full_parameters", "get_mode", "load_optimizer_state"]
+__all__ = ["MODES", "OWN_MODES", "PEER_MODES", "Mode", "Setup", "Wrapped", "bench_names", "full_parameters",
+           "get_mode", "load_optimizer_state", "resolve"]
+
+
+def _plain_backward(loss: torch.Tensor) -> None:
+    loss.backward()
 
 
 @dataclass
@@ -49,6 +62,10 @@ class Wrapped:
         param_names: the unwrapped model's parameter names in ``named_parameters()`` order,
             read before wrapping (set by :meth:`Mode.wrap`); position ``i`` is parameter id
             ``i`` of a plain ``torch.optim`` state dict over the model.
+        backward: runs the backward pass of a loss (``loss.backward()`` unless the mode's
+            engine must see it, as DeepSpeed's does).
+        step: steps the optimizer when the mode's engine does it instead of
+            ``optimizer.step()`` (DeepSpeed's); ``None`` otherwise.
     """
 
     model: nn.Module
@@ -59,13 +76,35 @@ class Wrapped:
     sharded_params: bool = False
     checkpoint_target: nn.Module | None = None
     param_names: tuple[str, ...] = ()
+    backward: Callable[[torch.Tensor], None] = _plain_backward
+    step: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_target is None:
             self.checkpoint_target = self.module
 
 
-Builder = Callable[[nn.Module, float, Any], Wrapped]
+@dataclass(frozen=True)
+class Setup:
+    """What a mode's builder needs besides the model; the same on every rank.
+
+    Attributes:
+        lr: Adam's learning rate.
+        device: the device the model trains on.
+        precision: how parameters are held and reduced (the model is already cast to
+            :attr:`Precision.param_dtype` when the builder sees it).
+        batch_size: sequences per micro-batch per rank (DeepSpeed's config wants it).
+        grad_accum_steps: micro-batches per optimizer step.
+    """
+
+    lr: float
+    device: torch.device
+    precision: Precision = field(default_factory=Precision)
+    batch_size: int = 1
+    grad_accum_steps: int = 1
+
+
+Builder = Callable[[nn.Module, Setup], Wrapped]
 
 
 @dataclass(frozen=True)
@@ -86,6 +125,11 @@ class Mode:
             different gradients and must agree on inf/nan), or ``None`` (fp16 unsupported).
         checkpoints: the demo can save and resume this mode (peers whose optimizer state
             :mod:`shardopt.checkpoint` cannot consolidate cannot).
+        precisions: the :attr:`Precision.name` values this mode runs at, its default first.
+        reduce_dtypes: the ``Precision.reduce_dtype`` values ``bf16-master`` may choose
+            here (empty: the mode reduces in its own way and the choice is refused).
+        before_import: called before the mode's library is first imported (DeepSpeed
+            picks its accelerator at import time).
     """
 
     name: str
@@ -97,27 +141,52 @@ class Mode:
     sharded_checkpoint: bool = False
     fp16_scaler: str | None = None
     checkpoints: bool = True
+    precisions: tuple[str, ...] = ("fp32",)
+    reduce_dtypes: tuple[str, ...] = ()
+    before_import: Callable[[], None] | None = None
 
-    def wrap(self, module: nn.Module, lr: float, device: Any) -> Wrapped:
-        """:attr:`build`, with :attr:`Wrapped.param_names` read from ``module`` before it is wrapped.
+    def wrap(self, module: nn.Module, setup: Setup) -> Wrapped:
+        """:attr:`build` after casting ``module`` to the precision's parameter dtype, with
+        :attr:`Wrapped.param_names` read before it is wrapped.
 
         Args:
-            module: the freshly built model (the same on every rank).
-            lr: the learning rate.
-            device: the device it trains on.
+            module: the freshly built fp32 model (the same on every rank).
+            setup: learning rate, device, precision and batch shape.
 
         Returns:
             The wrapped model and its optimizer.
+
+        Raises:
+            ValueError: this mode does not run at ``setup.precision`` (see :meth:`refuses`).
         """
+        reason = self.refuses(setup.precision)
+        if reason is not None:
+            raise ValueError(reason)
         names = tuple(name for name, _ in module.named_parameters())
-        wrapped = self.build(module, lr, device)
+        if setup.precision.param_dtype != torch.float32:
+            module = module.to(setup.precision.param_dtype)
+        wrapped = self.build(module, setup)
         wrapped.param_names = names
         return wrapped
+
+    def refuses(self, precision: Precision) -> str | None:
+        """``None`` when this mode runs at ``precision``, else a one-line reason naming what does."""
+        if precision.name not in self.precisions:
+            modes = ", ".join(n for n, m in MODES.items() if precision.name in m.precisions)
+            return (f"mode {self.name!r} does not run at precision {precision.name!r} ({precision.describe()}); it "
+                    f"runs at {', '.join(self.precisions)}; modes with {precision.name}: {modes}")
+        if precision.reduce_dtype is not None and precision.reduce_dtype not in self.reduce_dtypes:
+            modes = ", ".join(n for n, m in MODES.items() if m.reduce_dtypes)
+            return (f"mode {self.name!r} cannot choose the gradient reduce dtype (reduce dtype "
+                    f"{precision.reduce_dtype!r}); modes that can: {modes}")
+        return None
 
     def unavailable(self) -> str | None:
         """``None`` when this mode can run here, else a one-line reason with the fix."""
         if self.requires is None:
             return None
+        if self.before_import is not None:
+            self.before_import()
         module_name, attr = self.requires
         try:
             module = importlib.import_module(module_name)
@@ -132,52 +201,62 @@ def _plain_no_sync() -> ContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def _build_ddp(module: nn.Module, lr: float, device: Any) -> Wrapped:
-    model = DDP(module, device_ids=[device] if device.type == "cuda" else None)
-    opt = torch.optim.Adam(module.parameters(), lr=lr)
+def _ddp(module: nn.Module, setup: Setup) -> DDP:
+    return DDP(module, device_ids=[setup.device] if setup.device.type == "cuda" else None)
+
+
+def _oss(module: nn.Module, setup: Setup) -> OSS:
+    """Adam sharded by OSS; with ``bf16-master`` the owner keeps fp32 masters of its shard."""
+    return OSS(module.parameters(), optim=torch.optim.Adam, master_dtype=setup.precision.master_dtype, lr=setup.lr)
+
+
+def _build_ddp(module: nn.Module, setup: Setup) -> Wrapped:
+    model = _ddp(module, setup)
+    opt = torch.optim.Adam(module.parameters(), lr=setup.lr)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
-def _build_zero1(module: nn.Module, lr: float, device: Any) -> Wrapped:
-    model = DDP(module, device_ids=[device] if device.type == "cuda" else None)
-    opt = OSS(module.parameters(), optim=torch.optim.Adam, lr=lr)
+def _build_zero1(module: nn.Module, setup: Setup) -> Wrapped:
+    model = _ddp(module, setup)
+    opt = _oss(module, setup)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
-def _build_zero2(module: nn.Module, lr: float, device: Any) -> Wrapped:
+def _build_zero2(module: nn.Module, setup: Setup) -> Wrapped:
     from shardopt.nn import ShardedDataParallel
 
-    opt = OSS(module.parameters(), optim=torch.optim.Adam, lr=lr)
-    model = ShardedDataParallel(module, opt)
+    opt = _oss(module, setup)
+    # reduce_dtype None: fp32 gradients travel in fp32, bf16 ones in the masters' dtype (fp32)
+    model = ShardedDataParallel(module, opt, reduce_dtype=setup.precision.wire_dtype)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
-def _build_zero3(module: nn.Module, lr: float, device: Any) -> Wrapped:
+def _build_zero3(module: nn.Module, setup: Setup) -> Wrapped:
     from shardopt.nn.fsdp import FullyShardedDataParallel, ModuleClassPolicy
 
     blocks = getattr(module, "blocks", None)  # one unit per transformer block of the built-in GPT
     policy = ModuleClassPolicy((type(blocks[0]),)) if isinstance(blocks, nn.ModuleList) and len(blocks) else None
     # Forward prefetch, as FSDP2 does by default: the like-for-like comparison.
     model = FullyShardedDataParallel(module, auto_wrap_policy=policy, forward_prefetch=True)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = torch.optim.Adam(model.parameters(), lr=setup.lr)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True), sharded_params=True,
                    checkpoint_target=model)
 
 
-def _build_torch_zero(module: nn.Module, lr: float, device: Any) -> Wrapped:
+def _build_torch_zero(module: nn.Module, setup: Setup) -> Wrapped:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    model = DDP(module, device_ids=[device] if device.type == "cuda" else None)
-    opt = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
+    model = _ddp(module, setup)
+    opt = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.Adam, lr=setup.lr)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
 def _fairscale_builder(set_to_none: bool | None) -> Builder:
-    def build(module: nn.Module, lr: float, device: Any) -> Wrapped:
+    def build(module: nn.Module, setup: Setup) -> Wrapped:
         from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
         from fairscale.optim import OSS as FairscaleOSS
 
-        opt = FairscaleOSS(module.parameters(), optim=torch.optim.Adam, lr=lr)
+        opt = FairscaleOSS(module.parameters(), optim=torch.optim.Adam, lr=setup.lr)
         model = FairscaleSDP(module, opt)
         zero_grad: Callable[[], None] = opt.zero_grad if set_to_none is None else (
             lambda: opt.zero_grad(set_to_none=False))
@@ -187,31 +266,101 @@ def _fairscale_builder(set_to_none: bool | None) -> Builder:
 
 
 def _fsdp2_builder(reshard_after_forward: bool) -> Builder:
-    def build(module: nn.Module, lr: float, device: Any) -> Wrapped:
+    def build(module: nn.Module, setup: Setup) -> Wrapped:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         # fully_shard's default mesh is on CUDA whenever CUDA exists, which breaks gloo ranks
         # training on the CPU of a GPU machine: name the device the ranks train on.
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = init_device_mesh(setup.device.type, (dist.get_world_size(),))
         for child in getattr(module, "blocks", []):
             fully_shard(child, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        opt = torch.optim.Adam(module.parameters(), lr=lr)
+        opt = torch.optim.Adam(module.parameters(), lr=setup.lr)
         return Wrapped(module, module, opt, _plain_no_sync, lambda: opt.zero_grad(set_to_none=True),
                        sharded_params=True)
 
     return build
 
 
+# Note [deepspeed peer]
+# deepspeed-zero2 is DeepSpeed's own ZeRO-2 (stage_1_and_2.DeepSpeedZeroOptimizer) with
+# bf16 parameters and fp32 master partitions, over the same model, data, torch Adam and lr
+# as the other modes, inside the process group the runner already made (deepspeed.comm
+# wraps it; its collectives are torch.distributed calls, so on gloo the bench counts its
+# bytes in wchar as it counts ours). Choices, each so that it runs where the others run:
+# - The optimizer is a torch.optim.Adam instance ("zero_allow_untested_optimizer"): DeepSpeed
+#   swaps its parameters for the fp32 partitions, so it steps the masters as ours does, and
+#   no compiled DeepSpeed op (FusedAdam, CPUAdam) is needed.
+# - Reduce dtype: communication_data_type is set explicitly, fp32 for deepspeed-zero2-bf16m
+#   (like zero2-bf16m) and bf16 for -bf16reduce (DeepSpeed's own default with bf16).
+# - Buckets: reduce and all-gather buckets of 2**23 elements, ShardedDataParallel's
+#   reduce_buffer_size (DeepSpeed's default of 5e8 would allocate a 1 GB bf16 buffer);
+#   overlap_comm off (no CUDA streams on CPU).
+# - Nothing prints inside a step (steps_per_print None, no wall-clock breakdown): wchar
+#   counts terminal writes too.
+# - On CPU its TorchBackend would JIT-compile a shared-memory all-reduce op on first use
+#   (about a minute of C++ on a 2-core machine, and a compiler on every machine) that only
+#   its inference_all_reduce uses; the builder skips that op, so training collectives are
+#   the plain torch.distributed ones either way.
+# - Accumulation: DeepSpeed's stage 2 cannot skip reduction (its no_sync asserts), so
+#   no_sync marks the micro-batch as not an accumulation boundary instead and the last one
+#   is; the loss is already divided by the runner, so backward does not scale it again.
+
+
+def _deepspeed_accelerator() -> None:
+    """Pick DeepSpeed's CPU accelerator on machines without CUDA (it would, after a warning)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _build_deepspeed_zero2(module: nn.Module, setup: Setup) -> Wrapped:
+    import deepspeed
+
+    if setup.device.type == "cpu":  # Note [deepspeed peer]: the inference-only shm op
+        # by module path: the attribute deepspeed.comm.torch is the torch package itself
+        ds_torch_backend: Any = importlib.import_module("deepspeed.comm.torch")
+        ds_torch_backend.build_shm_op = lambda: None
+    bucket = 2**23  # ShardedDataParallel's reduce_buffer_size
+    config = {
+        "train_micro_batch_size_per_gpu": setup.batch_size,
+        "gradient_accumulation_steps": setup.grad_accum_steps,
+        "bf16": {"enabled": True},
+        "communication_data_type": setup.precision.reduce_dtype or "fp32",
+        "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
+                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": None,
+        "wall_clock_breakdown": False,
+    }
+    opt = torch.optim.Adam(module.parameters(), lr=setup.lr)
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=config)
+
+    @contextlib.contextmanager
+    def accumulate() -> Iterator[None]:
+        engine.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            engine.set_gradient_accumulation_boundary(True)
+
+    def backward(loss: torch.Tensor) -> None:
+        engine.backward(loss, scale_wrt_gas=False)
+
+    return Wrapped(engine, module, ds_optimizer, accumulate, engine.zero_grad, backward=backward, step=engine.step)
+
+
 _FAIRSCALE_HINT = "install it with: pip install fairscale==0.4.13"
+_DEEPSPEED_HINT = "install it with: DS_BUILD_OPS=0 pip install deepspeed"
 _OWN_HINT = "update shardopt to a version that ships it, or pick another mode"
+_BF16 = ("fp32", "bf16")
+_MASTERS = ("fp32", "bf16", "bf16-master")
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("ddp", "torch DDP + Adam (reference)", None, "", _build_ddp, fp16_scaler="torch"),
-    Mode("zero1", "DDP + shardopt OSS (ZeRO-1)", None, "", _build_zero1, fp16_scaler="sharded"),
+    Mode("ddp", "torch DDP + Adam (reference)", None, "", _build_ddp, fp16_scaler="torch", precisions=_BF16),
+    Mode("zero1", "DDP + shardopt OSS (ZeRO-1)", None, "", _build_zero1, fp16_scaler="sharded", precisions=_MASTERS),
     Mode("zero2", "shardopt OSS + ShardedDataParallel (ZeRO-2)", ("shardopt.nn", "ShardedDataParallel"),
-         _OWN_HINT, _build_zero2, fp16_scaler="sharded"),
+         _OWN_HINT, _build_zero2, fp16_scaler="sharded", precisions=_MASTERS, reduce_dtypes=("fp32", "bf16")),
     Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn.fsdp", "FullyShardedDataParallel"),
          _OWN_HINT, _build_zero3, fp16_scaler="sharded"),
     Mode("torch-zero", "DDP + torch ZeroRedundancyOptimizer", ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
@@ -224,6 +373,9 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          "it needs torch >= 2.6", _fsdp2_builder(False), peer=True, sharded_checkpoint=True),
     Mode("fsdp2-reshard", "torch fully_shard, reshard_after_forward=True", ("torch.distributed.fsdp", "fully_shard"),
          "it needs torch >= 2.6", _fsdp2_builder(True), peer=True, sharded_checkpoint=True),
+    Mode("deepspeed-zero2", "DeepSpeed ZeRO-2 engine, bf16 params + fp32 masters, torch Adam",
+         ("deepspeed", "initialize"), _DEEPSPEED_HINT, _build_deepspeed_zero2, peer=True, checkpoints=False,
+         precisions=("bf16-master",), reduce_dtypes=("fp32", "bf16"), before_import=_deepspeed_accelerator),
 )}
 OWN_MODES = tuple(name for name, m in MODES.items() if not m.peer)
 PEER_MODES = tuple(name for name, m in MODES.items() if m.peer)
@@ -238,6 +390,47 @@ def get_mode(name: str) -> Mode:
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
     return MODES[name]
+
+
+def bench_names() -> list[str]:
+    """Every bench mode name: each mode at each precision it runs at, ``-bf16m`` modes that
+    choose their reduce dtype also with ``-bf16reduce`` (what :func:`resolve` accepts)."""
+    names = []
+    for mode in MODES.values():
+        for name in mode.precisions:
+            names.append(f"{mode.name}{Precision(name).suffix}")
+            if name == "bf16-master" and "bf16" in mode.reduce_dtypes:
+                names.append(f"{mode.name}{Precision(name, 'bf16').suffix}")
+    return names
+
+
+def resolve(run_name: str) -> tuple[Mode, Precision]:
+    """The mode and precision a bench mode name stands for, e.g. ``zero2-bf16m`` or ``ddp``.
+
+    How it works: the name is a mode of :data:`MODES` followed by an optional precision
+    suffix (``-bf16``, ``-bf16m``, then optionally ``-bf16reduce``; see
+    :mod:`shardopt.app.precision`); without one the precision is fp32, except for a mode
+    that does not run in fp32, which must name its precision.
+
+    Args:
+        run_name: the name as given to ``--modes``.
+
+    Returns:
+        ``(mode, precision)``.
+
+    Raises:
+        ValueError: no such mode, or a precision the mode does not run at (the message
+            names what it runs at).
+    """
+    base, precision = Precision.split_name(run_name)
+    if base not in MODES:
+        raise ValueError(f"unknown mode {run_name!r}; choose from {', '.join(bench_names())}")
+    mode = MODES[base]
+    reason = mode.refuses(precision)
+    if reason is not None:
+        runs = ", ".join(f"{base}{Precision(name).suffix}" for name in mode.precisions)
+        raise ValueError(f"unknown mode {run_name!r}: {reason}; bench names for {base}: {runs}")
+    return mode, precision
 
 
 def full_parameters(wrapped: Wrapped) -> dict[str, torch.Tensor]:

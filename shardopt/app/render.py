@@ -14,6 +14,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import IO, Any
 
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from shardopt.app import runner
 from shardopt.files import atomic_write
 from shardopt.memory import GB, ModelStateEstimate, capabilities
 
-__all__ = ["demo_rank", "demo_table", "machine_info", "mib", "render_estimate", "write_json"]
+__all__ = ["demo_rank", "demo_table", "estimate_rows", "machine_info", "mib", "render_estimate", "write_json"]
 
 MiB = 2.0**20
 
@@ -68,7 +69,8 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
     median = statistics.median(r.median_step_s for r in reports if r.median_step_s is not None) \
         if all(r.median_step_s is not None for r in reports) else None
     tokens_s = f"{first.tokens_per_step / median:,.0f}" if median else "n/a"
-    table = Table(title=f"shardopt demo: {job.mode}, model {job.preset} ({first.num_params / 1e6:.2f}M params), "
+    precision = "" if job.precision.name == "fp32" else f" ({job.precision.describe()})"
+    table = Table(title=f"shardopt demo: {job.mode}{precision}, model {job.preset} ({first.num_params / 1e6:.2f}M params), "
                         f"{first.world_size} ranks ({first.backend})",
                   caption=f"final loss (mean over ranks) {mean_loss:.4f}; {tokens_s} tokens/s; steps "
                           f"{first.start_step}->{job.steps}, statistics over {first.counted_steps} steps after "
@@ -104,8 +106,9 @@ def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any
         if rank != 0:
             runner.train(job)
             return None
-        console.print(f"shardopt demo: training {job.preset} with {job.mode} on {dist.get_world_size()} ranks, "
-                      f"{job.steps} steps")
+        precision = "" if job.precision.name == "fp32" else f" ({job.precision.describe()})"
+        console.print(f"shardopt demo: training {job.preset} with {job.mode}{precision} on {dist.get_world_size()} "
+                      f"ranks, {job.steps} steps")
         columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("loss {task.fields[loss]}"),
                    TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn())
         # No refresh thread: the bar is drawn in on_step only, outside the measured window, so
@@ -121,7 +124,7 @@ def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any
         console.print(demo_table(job, reports))
         payload = [r.as_dict() for r in reports]
         if json_path:
-            write_json(json_path, {"command": "demo", "job": {**job.__dict__}, "machine": machine_info(),
+            write_json(json_path, {"command": "demo", "job": asdict(job), "machine": machine_info(),
                                     "final_loss": statistics.fmean(r.final_loss for r in reports),
                                     "ranks": payload})
         return payload
@@ -129,26 +132,78 @@ def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any
         dist.destroy_process_group()
 
 
+# (stage, the shardopt configuration that holds it, its bench mode or None), per precision
+_SETUPS = {
+    "mixed": (
+        ("DDP", "DDP, bf16 params, fp32 masters + Adam on every rank (the paper's baseline; no shardopt mode)", None),
+        ("ZeRO-1", "DDP(bf16 model) + OSS(Adam, master_dtype=torch.float32)", "zero1-bf16m"),
+        ("ZeRO-2", "ShardedDataParallel(bf16 model, OSS(Adam, master_dtype=torch.float32))", "zero2-bf16m"),
+        ("ZeRO-3", ("FullyShardedDataParallel(model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)) "
+                    "+ Adam"), None),
+    ),
+    "fp32": (
+        ("DDP", "DDP(model) + Adam", "ddp"),
+        ("ZeRO-1", "DDP(model) + OSS(Adam)", "zero1"),
+        ("ZeRO-2", "ShardedDataParallel(model, OSS(Adam))", "zero2"),
+        ("ZeRO-3", "FullyShardedDataParallel(model) + Adam", "zero3"),
+    ),
+}
+
+
+def estimate_rows(est: ModelStateEstimate) -> list[dict[str, Any]]:
+    """One row per stage: the stage, the shardopt configuration that reaches it, its bench
+    mode (or ``None``), the paper's bytes per rank and the bytes during the step.
+
+    Args:
+        est: the estimate.
+
+    Returns:
+        The rows, DDP first, as plain values for the table and the JSON.
+    """
+    paper = (est.ddp, est.stage1, est.stage2, est.stage3)
+    at_step = (est.ddp, est.stage1_at_step, est.stage2_at_step, est.stage3)
+    setups = _SETUPS["mixed" if est.param_bytes == 2 else "fp32"]
+    return [{"stage": stage, "configuration": configuration, "bench_mode": bench, "bytes": value,
+             "at_step_bytes": step}
+            for (stage, configuration, bench), value, step in zip(setups, paper, at_step, strict=True)]
+
+
+def _gb(value: float) -> str:
+    return f"{value / GB:.1f}" if value >= GB else f"{value / GB:.3f}"
+
+
 def render_estimate(est: ModelStateEstimate) -> None:
-    """Print the ZeRO-paper estimate as a rich table.
+    """Print the ZeRO-paper estimate as a rich table, each row labelled with the shardopt
+    configuration that reaches it.
 
     Args:
         est: the estimate to show.
     """
-    precision = "mixed precision" if est.param_bytes == 2 else "fp32"
+    mixed = est.param_bytes == 2
+    precision = "mixed precision (bf16 params, fp32 master weights)" if mixed else "fp32"
     table = Table(title=f"model states per rank: {est.num_params:,} params, {est.world_size} ranks, {precision}, "
                         f"K={est.optimizer_bytes_per_param:g}",
                   caption="ZeRO paper (Rajbhandari et al. 2020) formulas; GB = 1e9 bytes; activations, buffers "
-                          "and fragmentation not included")
-    table.add_column("setup")
+                          "and fragmentation not included"
+                          + ("; during the step: shardopt's owner holds its gradients as fp32 master gradients "
+                             "from the reduction to the end of the step (4 bytes, not the paper's 2, on 1/N of the "
+                             "parameters)" if mixed else "")
+                          + ("" if mixed else "; shardopt estimate without --fp32 for bf16 parameters with fp32 "
+                             "masters"))
+    table.add_column("stage", no_wrap=True)
+    table.add_column("shardopt configuration (bench mode)", overflow="fold")
     table.add_column("bytes per rank", justify="right")
     table.add_column("GB", justify="right")
     table.add_column("vs DDP", justify="right")
-    for name, value in (("DDP", est.ddp), ("ZeRO-1 (OSS)", est.stage1), ("ZeRO-2 (OSS + ShardedDDP)", est.stage2),
-                        ("ZeRO-3 (FSDP)", est.stage3)):
-        table.add_row(name, f"{value:,.0f}", f"{value / GB:.1f}" if value >= GB else f"{value / GB:.3f}",
-                      f"{value / est.ddp:.3f}x")
-    Console().print(table)
+    if mixed:
+        table.add_column("GB during the step", justify="right")
+    for row in estimate_rows(est):
+        label = row["configuration"] + (f" ({row['bench_mode']})" if row["bench_mode"] else "")
+        step = (_gb(row["at_step_bytes"]),) if mixed else ()
+        table.add_row(row["stage"], label, f"{row['bytes']:,.0f}", _gb(row["bytes"]),
+                      f"{row['bytes'] / est.ddp:.3f}x", *step)
+    console = Console()
+    (console if console.is_terminal else Console(width=160)).print(table)
     if est.largest_layer_params is not None:
         Console().print(f"largest parameter tensor: {est.largest_layer_params:,} params; ZeRO-3 gathers at least "
                         f"{est.largest_layer_params * est.param_bytes / GB:.3f} GB at once")

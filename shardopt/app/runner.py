@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from shardopt import checkpoint, comm
-from shardopt.memory import MemoryRecorder
 from shardopt.app.models import PRESETS, CharBatches, build_model, stdlib_corpus
-from shardopt.app.modes import Wrapped, full_parameters, get_mode, load_optimizer_state
+from shardopt.app.modes import Setup, Wrapped, full_parameters, get_mode, load_optimizer_state
+from shardopt.app.precision import Precision
+from shardopt.memory import MemoryRecorder
 
 __all__ = ["RankReport", "StepInfo", "TrainJob", "check_resumable", "init_process_group_from_env", "train"]
 
@@ -47,7 +48,10 @@ class TrainJob:
         grad_accum_steps: micro-batches per optimizer step (all but the last under ``no_sync``).
         lr: Adam learning rate.
         seed: model initialisation and data sampling seed.
-        amp: ``None``, ``"bf16"`` or ``"fp16"`` (fp16 uses a gradient scaler).
+        amp: ``None``, ``"bf16"`` or ``"fp16"`` (fp16 uses a gradient scaler); fp32
+            precision only.
+        precision: parameter precision (bf16 parameters, fp32 masters on the owner, the
+            reduce dtype); the mode must run at it.
         warmup_steps: first steps left out of the timing and bytes statistics.
         checkpoint_path: where to save (a file, or a folder for sharded-parameter modes).
         resume: load ``checkpoint_path`` first when it exists.
@@ -56,6 +60,9 @@ class TrainJob:
         corpus_bytes: how much of the built-in corpus to read.
         threads_per_rank: intra-op threads per rank.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (see :func:`init_process_group_from_env`).
+
+    Raises:
+        ValueError: ``amp`` with a precision other than fp32.
     """
 
     mode: str = "zero2"
@@ -66,6 +73,7 @@ class TrainJob:
     lr: float = 1e-3
     seed: int = 0
     amp: str | None = None
+    precision: Precision = field(default_factory=Precision)
     warmup_steps: int = 2
     checkpoint_path: str | None = None
     resume: bool = False
@@ -74,6 +82,11 @@ class TrainJob:
     corpus_bytes: int = 4 * 2**20
     threads_per_rank: int = 1
     device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.amp is not None and self.precision.name != "fp32":
+            raise ValueError(f"TrainJob(amp={self.amp!r}) autocasts fp32 parameters, but precision is "
+                             f"{self.precision.name!r}; keep amp=None with bf16 parameters, or use precision fp32")
 
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -218,7 +231,7 @@ def _make_scaler(job: TrainJob, device: torch.device) -> Any | None:
 def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> None:
     assert job.checkpoint_path is not None
     extra = {"step": step, "mode": job.mode, "preset": job.preset, "seed": job.seed,
-             "scaler": scaler.state_dict() if scaler is not None else None}
+             "precision": job.precision.name, "scaler": scaler.state_dict() if scaler is not None else None}
     assert wrapped.checkpoint_target is not None
     if get_mode(job.mode).sharded_checkpoint:
         checkpoint.save_sharded(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
@@ -229,10 +242,10 @@ def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> Non
 def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
     """Check that the checkpoint at ``path`` fits ``job`` before anything is loaded.
 
-    The model preset and seed must match (the data order depends on the seed). The mode may
-    change when the checkpoint kind stays the same: a consolidated file resumes under ddp,
-    zero1, zero2 or zero3 alike. The CLI calls this at startup and every rank again before
-    loading.
+    The model preset, seed and precision must match (the data order depends on the seed;
+    checkpoints from before precisions were recorded are fp32). The mode may change when
+    the checkpoint kind stays the same: a consolidated file resumes under ddp, zero1, zero2
+    or zero3 alike. The CLI calls this at startup and every rank again before loading.
 
     Args:
         path: the checkpoint.
@@ -242,8 +255,8 @@ def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
         The checkpoint's ``extra`` (see :func:`shardopt.checkpoint.read_extra`).
 
     Raises:
-        ValueError: not a shardopt checkpoint, another model or seed, or a file where a
-            folder is needed (or back).
+        ValueError: not a shardopt checkpoint, another model, seed or precision, or a file
+            where a folder is needed (or back).
     """
     saved = checkpoint.read_extra(path)
     if saved is None:
@@ -254,6 +267,11 @@ def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
     if theirs != ours:
         raise ValueError(f"checkpoint {path!r} was saved with {theirs}, not {ours}; resume with the same --model "
                          "and --seed, or point --checkpoint elsewhere")
+    saved_precision = saved.get("precision", "fp32")
+    if saved_precision != job.precision.name:
+        raise ValueError(f"checkpoint {path!r} was saved at --precision {saved_precision}, not "
+                         f"{job.precision.name}; resume with --precision {saved_precision}, or point --checkpoint "
+                         "elsewhere")
     sharded_checkpoint = get_mode(job.mode).sharded_checkpoint
     if os.path.isdir(path) != sharded_checkpoint:
         kind = "a sharded folder" if os.path.isdir(path) else "a consolidated file"
@@ -296,12 +314,14 @@ def _one_step(job: TrainJob, wrapped: Wrapped, batches: CharBatches, step: int, 
             with autocast:
                 loss = wrapped.model(tokens, targets) / job.grad_accum_steps
             recorder.sample("forward")
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            wrapped.backward(scaler.scale(loss) if scaler is not None else loss)
             recorder.sample("backward")
         loss_value += float(loss.detach())
     if scaler is not None:
         scaler.step(wrapped.optimizer)
         scaler.update()
+    elif wrapped.step is not None:  # the mode's engine steps (DeepSpeed)
+        wrapped.step()
     else:
         wrapped.optimizer.step()
     recorder.sample("step")
@@ -341,14 +361,14 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
     device = _train_device(job.device)
     cfg = PRESETS[job.preset]
     batches = CharBatches(stdlib_corpus(job.corpus_bytes), job.batch_size, cfg.seq_len, rank, job.seed)
-    reason = mode.unavailable()  # also imports the mode's library now, so the baseline includes it
+    reason = mode.unavailable() or mode.refuses(job.precision)  # imports the mode's library: the baseline has it
     if reason is not None:
         raise ValueError(reason)
     recorder = MemoryRecorder()
     recorder.start()
     module = build_model(cfg, seed=job.seed, device=device)
     num_params = sum(p.numel() for p in module.parameters())
-    wrapped = mode.wrap(module, job.lr, device)
+    wrapped = mode.wrap(module, Setup(job.lr, device, job.precision, job.batch_size, job.grad_accum_steps))
     scaler = _make_scaler(job, device)
     start = _resume(job, wrapped, scaler)
     tokens_per_step = job.batch_size * cfg.seq_len * job.grad_accum_steps * world
