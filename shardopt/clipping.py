@@ -116,7 +116,11 @@ def _install() -> None:
                     f"{hit}(max_norm) instead (Note [clipping that bypasses the wrapper])",
                     UserWarning, stacklevel=2,
                 )
-        return original(params, max_norm, *args, **kwargs)
+        # A placeholder for a gradient held as an fp32 master gradient reads as zeros and
+        # cannot be scaled in place (Note [placeholders for moved gradients]).
+        from shardopt.optim.masters import is_placeholder
+
+        return original([p for p in params if not is_placeholder(p)], max_norm, *args, **kwargs)
 
     _original, _patched = original, clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]

@@ -57,8 +57,48 @@ def test_no_sync_sums_are_kept_in_fp32_and_free_the_low_precision_grad() -> None
         sums.keep(p)
     other.grad = torch.ones(4)
     sums.keep(other)  # another dtype: left in .grad
-    assert p.grad is None and other.grad is not None and len(sums) == 1
+    assert p.grad is None and other.grad is not None and len(sums) == 1  # keep() frees; ShardedDataParallel leaves a placeholder
     total = sums.take(p, torch.ones(4, dtype=BF16))
     assert total is not None and total.dtype == F32
     assert torch.equal(total, torch.full((4,), 2.0 + 4 * 2.0**-9))  # bf16 sums would have lost the 2**-9s
     assert len(sums) == 0 and sums.take(p, None) is None
+
+
+def test_a_placeholder_says_whether_the_held_gradient_still_stands() -> None:
+    """Note [placeholders for moved gradients]: untouched -> stands; dropped, zeroed in place
+    or replaced -> discarded; every check removes the placeholder."""
+    from shardopt.optim.masters import is_placeholder, leave_placeholder, take_placeholder
+
+    p = nn.Parameter(torch.ones(3, 4, dtype=BF16))
+    assert take_placeholder(p)  # nothing left: nothing to say
+    for what, touch, stands in [
+        ("untouched", lambda: None, True),
+        ("set to None", lambda: setattr(p, "grad", None), False),
+        ("zeroed in place", lambda: p.grad.zero_(), False),  # type: ignore[union-attr]
+        ("module zero_grad(set_to_none=False)", lambda: nn.ParameterList([p]).zero_grad(set_to_none=False), False),
+        ("replaced", lambda: setattr(p, "grad", torch.ones(3, 4, dtype=BF16)), False),
+    ]:
+        p.grad = None
+        leave_placeholder(p)
+        assert is_placeholder(p) and p.grad is not None and p.grad.untyped_storage().nbytes() == 2, what
+        leave_placeholder(p)  # one placeholder stands for everything held
+        touch()
+        assert take_placeholder(p) is stands, what
+        assert p.grad is None or not is_placeholder(p), what
+        assert take_placeholder(p), what  # the check consumed it
+
+
+def test_torch_clip_grad_norm_skips_placeholders() -> None:
+    from shardopt import clipping
+    from shardopt.optim.masters import leave_placeholder
+
+    p, q = nn.Parameter(torch.ones(4, dtype=BF16)), nn.Parameter(torch.ones(4, dtype=BF16))
+    holder = nn.Linear(1, 1)
+    clipping.register_sharded(holder, [p], "OSS.clip_grad_norm")
+    try:
+        leave_placeholder(p)
+        q.grad = torch.full((4,), 2.0, dtype=BF16)
+        total = torch.nn.utils.clip_grad_norm_([p, q], 1.0)  # would raise on p's expanded zeros
+        assert float(total) == 4.0 and torch.allclose(q.grad.float(), torch.full((4,), 0.5), atol=1e-2)
+    finally:
+        clipping.unregister(holder, [p])

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
+from shardopt.optim.masters import is_placeholder
 from shardopt.testing import run_ranks
 from tests.helpers.masters import (
     MasterReference,
@@ -61,7 +62,7 @@ def _parity(rank: int, world_size: int) -> dict[str, Any]:
                     where.zero_grad(set_to_none=step % 2 == 0)
                     loss_of(sdp, rank, step).backward()
                     owned_grads_are_fp32 = all(
-                        (opt.master_of(p) is None or (opt.master_of(p).grad.dtype == F32 and p.grad is None))
+                        (opt.master_of(p) is None or (opt.master_of(p).grad.dtype == F32 and is_placeholder(p)))
                         for p in model.parameters())
                     opt.step()
                     memory_ok &= _memory_after_step(opt, model) and owned_grads_are_fp32
@@ -113,7 +114,7 @@ def _accumulation(rank: int, world_size: int) -> dict[str, Any]:
                     with sdp.no_sync():
                         loss_of(sdp, rank, 10 * step + micro).backward()
                     # the local sum is fp32 and .grad is freed (Note [no_sync sums in master precision])
-                    local_sums_ok &= all(p.grad is None for p in model.parameters())
+                    local_sums_ok &= all(is_placeholder(p) for p in model.parameters())
                 grads = [ref.local_grads(lambda m, r=r, s=10 * step + micro: loss_of(m, r, s))
                          for r in range(world_size)]
                 if mode == "plain":
@@ -281,3 +282,56 @@ def _freeze(rank: int, world_size: int) -> dict[str, Any]:
 def test_freezing_a_layer_mid_training_parks_its_master_and_matches_reference() -> None:
     results = run_ranks(_freeze, 2, timeout_s=60)
     assert all(r["ulps"] == 0.0 and r["repartitioned"] for r in results), results
+
+
+def _discarded_gradients(rank: int, world_size: int) -> dict[str, Any]:
+    """A backward whose gradients are then zeroed, on any object and either way, adds
+    nothing to the next step: the run equals one that never did that backward (Note
+    [placeholders for moved gradients])."""
+    zeroers = {
+        "module/none": lambda model, sdp, opt: model.zero_grad(set_to_none=True),
+        "module/zeros": lambda model, sdp, opt: model.zero_grad(set_to_none=False),
+        "optimizer/zeros": lambda model, sdp, opt: torch.optim.Optimizer.zero_grad(opt, set_to_none=False),
+        "per_parameter": lambda model, sdp, opt: [setattr(p, "grad", None) for p in model.parameters()],
+        "wrapper": lambda model, sdp, opt: sdp.zero_grad(),
+    }
+    out: dict[str, Any] = {}
+    for discard_under_no_sync in (False, True):
+        for name, zero in [("never", None), *zeroers.items()]:
+            model = low_mlp()
+            opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-2, master_dtype=F32)
+            sdp = ShardedDataParallel(model, opt, reduce_buffer_size=100)
+            placeholders_ok = True
+            for step in range(3):
+                if zero is not None:
+                    if discard_under_no_sync:
+                        with sdp.no_sync():
+                            loss_of(sdp, rank, 100 + step).backward()
+                    else:
+                        loss_of(sdp, rank, 100 + step).backward()
+                    placeholders_ok &= any(is_placeholder(p) for p in model.parameters())
+                    zero(model, sdp, opt)
+                loss_of(sdp, rank, step).backward()
+                if step == 1:  # torch's clip over the model skips placeholders (and warns)
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+                opt.step()
+                placeholders_ok &= all(p.grad is None for p in model.parameters())
+            tag = f"no_sync={discard_under_no_sync}/{name}"
+            out[tag] = [p.detach().clone() for p in model.parameters()]
+            out[tag + "/placeholders_ok"] = placeholders_ok
+            sdp.close()
+    result: dict[str, Any] = {}
+    for tag in [t for t in out if not t.endswith("_ok") and not t.endswith("/never")]:
+        never = out[tag.split("/")[0] + "/never"]
+        result[tag] = all(torch.equal(a, b) for a, b in zip(out[tag], never))
+        result[tag + "/placeholders_ok"] = out[tag + "/placeholders_ok"]
+    return result
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gradients_zeroed_on_the_module_between_backward_and_step_are_not_stepped(world_size: int) -> None:
+    results = run_ranks(_discarded_gradients, world_size, timeout_s=120)
+    failed = sorted({k for r in results for k, v in r.items() if not v})
+    assert not failed, failed

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from shardopt.optim.masters import leave_placeholder, take_placeholder
+
 __all__ = ["LocalSums"]
 
 
@@ -57,6 +59,20 @@ class LocalSums:
         if total is None:
             return grad
         return total if grad is None else total.add_(grad.detach())
+
+    def settle(self, param: torch.Tensor, master: torch.Tensor | None) -> None:
+        """Before what is held for ``param`` is used: drop its local sum and its master's
+        gradient if the placeholder left in ``param.grad`` is gone or was zeroed (Note
+        [placeholders for moved gradients] in :mod:`shardopt.optim.masters`)."""
+        if not take_placeholder(param):
+            self._sums.pop(param, None)
+            if master is not None:
+                master.grad = None
+
+    def leave(self, param: torch.Tensor, master: torch.Tensor | None) -> None:
+        """Leave a placeholder in ``param.grad`` when a local sum or a master gradient is held for it."""
+        if param in self._sums or (master is not None and master.grad is not None):
+            leave_placeholder(param)
 
     def items(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(param, sum)`` pairs still held."""

@@ -17,6 +17,7 @@ from torch.autograd.graph import get_gradient_edge
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
+from shardopt.nn.data_parallel.gradient_checks import check_accumulated, refuse_sparse_modules
 from shardopt.nn.data_parallel.local_sums import LocalSums
 from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
@@ -230,7 +231,7 @@ class ShardedDataParallel(nn.Module):
         self._remove_hooks()
         owners = self._owners()
         trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self._check_dense_gradients()
+        refuse_sparse_modules(self.module)
         missing = [tuple(p.shape) for p in trainable if p not in owners]
         if missing:
             raise ValueError(
@@ -248,16 +249,6 @@ class ShardedDataParallel(nn.Module):
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
         self._trainable_sig = self._trainable_signature()
         self._reset_iteration()
-
-    def _check_dense_gradients(self) -> None:
-        """Refuse modules that produce sparse gradients for trainable parameters."""
-        for name, sub in self.module.named_modules():
-            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
-                raise TypeError(
-                    f"module {name or type(sub).__name__!r} ({type(sub).__name__}) has sparse=True: "
-                    "ShardedDataParallel reduces dense gradients only; build it with sparse=False "
-                    "(and a dense optimizer such as torch.optim.Adam instead of SparseAdam)"
-                )
 
     def _remove_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -415,6 +406,8 @@ class ShardedDataParallel(nn.Module):
     def _make_pre_hook(self, param: nn.Parameter) -> Any:
         def set_aside_reduced_grad(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
             # See Note [owner's gradient across backward passes].
+            if param.dtype in self._grad_dtypes:
+                self._local_sums.settle(param, self._master_of(param))
             written = self._written.pop(param, None)
             if written is not None and param.grad is not None and written() is param.grad:
                 self._set_aside[param] = param.grad
@@ -425,10 +418,11 @@ class ShardedDataParallel(nn.Module):
 
     def _post_accumulate(self, param: torch.Tensor) -> None:
         assert isinstance(param, nn.Parameter)
-        self._check_accumulated(param)
+        check_accumulated(param, self._name_of)
         if not self._should_sync:
             self._local_pending.add(param)
             self._local_sums.keep(param)  # Note [no_sync sums in master precision]
+            self._local_sums.leave(param, self._master_of(param))
             return
         bucket = self._bucket_of[param]
         if bucket.spec.index < self._next_launch or bucket.holds(param):  # Note [reentrant checkpoints]
@@ -450,23 +444,6 @@ class ShardedDataParallel(nn.Module):
 
     def _name_of(self, param: torch.Tensor) -> str:
         return next((n for n, p in self.module.named_parameters() if p is param), "<not in module>")
-
-    def _check_accumulated(self, param: nn.Parameter) -> None:
-        """Raise on gradients the buckets cannot reduce (same program: same error on every rank)."""
-        if torch.is_grad_enabled():  # the engine enables grad mode only for create_graph=True
-            raise ValueError(
-                f"backward(create_graph=True) reached parameter {self._name_of(param)!r}: "
-                "ShardedDataParallel cannot reduce a gradient that carries a graph (the reduction is "
-                "not differentiable). For a gradient penalty take torch.autograd.grad(loss, inputs, "
-                "create_graph=True), add the penalty to the loss and call backward() without create_graph"
-            )
-        grad = param.grad
-        if grad is not None and grad.layout != torch.strided:
-            raise TypeError(
-                f"parameter {self._name_of(param)!r} got a {grad.layout} gradient: ShardedDataParallel "
-                "reduces dense gradients only; make the operation producing it dense "
-                "(e.g. nn.Embedding(sparse=False), F.embedding(..., sparse=False))"
-            )
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].complete:
@@ -497,11 +474,16 @@ class ShardedDataParallel(nn.Module):
             param.grad = reduced
             self._written[param] = weakref.ref(reduced)
 
+    def _master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        return self._optim_of[param].master_of(param) if param.dtype in self._grad_dtypes else None
+
     def _add_to_master(self, param: torch.Tensor, reduced: torch.Tensor | None) -> None:
         master = self._optim_of[param].master_of(param)
         assert master is not None, f"[rank {self.rank}] {self._name_of(param)!r} was reduced here, but has no master"
+        self._local_sums.settle(param, master)  # Note [placeholders for moved gradients]
         if reduced is not None:
             master.grad = reduced if master.grad is None else master.grad.add_(reduced)
+        self._local_sums.leave(param, master)
 
     def _on_backward_end(self) -> None:
         self._flush()
@@ -510,6 +492,8 @@ class ShardedDataParallel(nn.Module):
         """Send every bucket not yet sent (gradients accumulated under no_sync included)."""
         for bucket in self._buckets[self._next_launch :]:
             for param in bucket.spec.params:
+                if param in self._local_pending and param.dtype in self._grad_dtypes:
+                    self._local_sums.settle(param, self._master_of(param))
                 grad = self._local_sums.take(param, param.grad) if param in self._local_pending else None
                 if grad is not None:
                     bucket.add(param, grad)

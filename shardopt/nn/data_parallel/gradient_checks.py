@@ -1,0 +1,56 @@
+"""Gradients ShardedDataParallel's buckets cannot reduce, refused with an error naming the fix.
+
+Each check sees the same program on every rank, so every rank raises the same error at the
+same point instead of one rank leaving a collective the others wait in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["check_accumulated", "refuse_sparse_modules"]
+
+
+def refuse_sparse_modules(module: nn.Module) -> None:
+    """Refuse embeddings that produce sparse gradients for trainable parameters.
+
+    Raises:
+        TypeError: a trainable ``nn.Embedding`` / ``nn.EmbeddingBag`` has ``sparse=True``.
+    """
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise TypeError(
+                f"module {name or type(sub).__name__!r} ({type(sub).__name__}) has sparse=True: "
+                "ShardedDataParallel reduces dense gradients only; build it with sparse=False "
+                "(and a dense optimizer such as torch.optim.Adam instead of SparseAdam)"
+            )
+
+
+def check_accumulated(param: nn.Parameter, name_of: Callable[[torch.Tensor], str]) -> None:
+    """Raise on a gradient just accumulated into ``param`` that the buckets cannot reduce.
+
+    Args:
+        param: the parameter autograd accumulated into.
+        name_of: the parameter's name in the module, for the message.
+
+    Raises:
+        ValueError: the backward pass had ``create_graph=True``.
+        TypeError: the gradient is not dense.
+    """
+    if torch.is_grad_enabled():  # the engine enables grad mode only for create_graph=True
+        raise ValueError(
+            f"backward(create_graph=True) reached parameter {name_of(param)!r}: "
+            "ShardedDataParallel cannot reduce a gradient that carries a graph (the reduction is "
+            "not differentiable). For a gradient penalty take torch.autograd.grad(loss, inputs, "
+            "create_graph=True), add the penalty to the loss and call backward() without create_graph"
+        )
+    grad = param.grad
+    if grad is not None and grad.layout != torch.strided:
+        raise TypeError(
+            f"parameter {name_of(param)!r} got a {grad.layout} gradient: ShardedDataParallel "
+            "reduces dense gradients only; make the operation producing it dense "
+            "(e.g. nn.Embedding(sparse=False), F.embedding(..., sparse=False))"
+        )
