@@ -40,13 +40,10 @@ def check_agreement(what: str, entries: Sequence[tuple[str, Any]], group: comm.P
     if comm.group_size(group) == 1:
         return
     described = [(name, repr(value)) for name, value in entries]
-    digest = hashlib.sha256(repr(described).encode()).hexdigest()
-    digests = comm.all_gather_object(digest, group)
-    if len(set(digests)) == 1:
+    found = _disagreement(described, group)
+    if found is None:
         return
-    everyone = comm.all_gather_object(described, group)
-    other = next(r for r, d in enumerate(digests) if d != digests[0])
-    mine, theirs = everyone[0], everyone[other]
+    other, mine, theirs = found
     for (name, a), (name_b, b) in zip(mine, theirs):
         if (name, a) != (name_b, b):
             detail = (f"{name} is {a} on rank 0 but {b} on rank {other}" if name == name_b else
@@ -77,13 +74,10 @@ def check_same_parameters(what: str, param_groups: Sequence[dict[str, Any]], gro
         for gi, g in enumerate(param_groups)
         for p in g["params"]
     ]
-    digest = hashlib.sha256(repr(desc).encode()).hexdigest()
-    digests = comm.all_gather_object(digest, group)
-    if len(set(digests)) == 1:
+    found = _disagreement(desc, group)
+    if found is None:
         return
-    descs = comm.all_gather_object(desc, group)
-    other = next(r for r, d in enumerate(digests) if d != digests[0])
-    a, b = descs[0], descs[other]
+    other, a, b = found
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             detail = (f"parameter {i} is (group, shape, dtype, requires_grad, contiguous)={x} on rank 0 "
@@ -95,3 +89,16 @@ def check_same_parameters(what: str, param_groups: Sequence[dict[str, Any]], gro
         f"{what} was given different parameter lists on different ranks: {detail}; every rank must "
         "pass the same parameters in the same order (build the model identically on all ranks)"
     )
+
+
+def _disagreement(described: list[Any], group: comm.ProcessGroup | None) -> tuple[int, list[Any], list[Any]] | None:
+    """``None`` when every rank of ``group`` has the same ``described`` (one all-gather of a
+    digest), else the first rank that differs from rank 0, rank 0's list and its list (a
+    second all-gather, of the lists themselves)."""
+    digest = hashlib.sha256(repr(described).encode()).hexdigest()
+    digests = comm.all_gather_object(digest, group)
+    if len(set(digests)) == 1:
+        return None
+    everyone = comm.all_gather_object(described, group)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    return other, everyone[0], everyone[other]

@@ -95,18 +95,7 @@ class BucketSpec:
         wire_dtype: dtype on the wire.
         device: where the buffers live.
         grad_dtype: dtype of the owner's reduced gradient: the parameters' own, or their
-            master's (Note [small parameters share a bucket]
-``reduce_buffer_size=0`` ("no buckets", fairscale's benchmark setting) still coalesces the
-gradients of parameters smaller than ShardedDataParallel's ``_MIN_BUCKET_NUMEL`` elements
-into buckets of that size (256 KiB in fp32): each all-to-all costs a fixed overhead per peer,
-and a model of many tiny parameters (biases, norms) otherwise pays it hundreds of times a
-step. Larger parameters still get a bucket of their own, and the arithmetic is the same
-either way (each gradient is summed over ranks in rank order). Measured on
-scripts/bench_bucketless.py (2 ranks): 1.46x fairscale's step time with one all-to-all per
-parameter and two in flight, 1.22x with the byte budget of Note [reductions in flight] (in
-sharded_ddp.py), 0.83x with both.
-
-Note [reduce into master gradients]).
+            master's (Note [reduce into master gradients]).
     """
 
     index: int

@@ -14,8 +14,14 @@ from torch import nn
 __all__ = ["check_accumulated", "refuse_sparse_modules"]
 
 
-def refuse_sparse_modules(module: nn.Module) -> None:
-    """Refuse embeddings that produce sparse gradients for trainable parameters.
+def refuse_sparse_modules(module: nn.Module, wrapper: str) -> None:
+    """Refuse embeddings that produce sparse gradients for trainable parameters (neither
+    ShardedDataParallel's buckets nor a FullyShardedDataParallel unit's flat gradient can
+    hold them).
+
+    Args:
+        module: the module being wrapped.
+        wrapper: the wrapper's class name, for the message.
 
     Raises:
         TypeError: a trainable ``nn.Embedding`` / ``nn.EmbeddingBag`` has ``sparse=True``.
@@ -24,7 +30,7 @@ def refuse_sparse_modules(module: nn.Module) -> None:
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
             raise TypeError(
                 f"module {name or type(sub).__name__!r} ({type(sub).__name__}) has sparse=True: "
-                "ShardedDataParallel reduces dense gradients only; build it with sparse=False "
+                f"{wrapper} reduces dense gradients only; build it with sparse=False "
                 "(and a dense optimizer such as torch.optim.Adam instead of SparseAdam)"
             )
 

@@ -231,7 +231,7 @@ class ShardedDataParallel(nn.Module):
         self._remove_hooks()
         owners = self._owners()
         trainable = [p for p in self.module.parameters() if p.requires_grad]
-        refuse_sparse_modules(self.module)
+        refuse_sparse_modules(self.module, "ShardedDataParallel")
         missing = [tuple(p.shape) for p in trainable if p not in owners]
         if missing:
             raise ValueError(

@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from shardopt import clipping, comm
+from shardopt.agreement import check_agreement
+from shardopt.nn.data_parallel.gradient_checks import refuse_sparse_modules
 from shardopt.nn.fsdp import grad_norm, optim_state_dict
 from shardopt.nn.fsdp.context import StepContext
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
-from shardopt.agreement import check_agreement
-from shardopt.nn.fsdp.materialize import check_sparse, materialize
+from shardopt.nn.fsdp.materialize import materialize
 from shardopt.nn.fsdp.options import (
     BackwardPrefetch,
     MixedPrecision,
@@ -118,7 +119,7 @@ class FullyShardedDataParallel(nn.Module):
         )
         ignored = {id(m) for top in (ignored_modules or ()) for m in top.modules()}
         materialize(module, param_init_fn, comm.default_device(config.shard_group))
-        check_sparse(module)
+        refuse_sparse_modules(module, "FullyShardedDataParallel")
         # Note [agree before the first collective] in shardopt.agreement: a rank whose
         # parameters are registered in another order would fill the flat layout differently.
         for size, agreeing in ((config.shard_size, config.shard_group),

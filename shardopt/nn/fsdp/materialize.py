@@ -9,8 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-
-__all__ = ["check_sparse", "materialize"]
+__all__ = ["materialize"]
 
 
 def materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None, device: torch.device) -> None:
@@ -105,20 +104,4 @@ def _refuse_uninitialised(module: nn.Module) -> None:
             "Pass param_init_fn=fn that materialises and initialises them (fn gets the whole module), or give "
             f"{', '.join(classes)} a reset_parameters() that initialises its own parameters and buffers"
         )
-
-
-def check_sparse(module: nn.Module) -> None:
-    """Refuse modules whose trainable parameters would get sparse gradients (they cannot be
-    flattened into a unit's gradient buffer).
-
-    Raises:
-        TypeError: names the module and the fix.
-    """
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
-            raise TypeError(
-                f"module {name or type(sub).__name__!r} ({type(sub).__name__}) has sparse=True: "
-                "FullyShardedDataParallel reduces dense gradients only; build it with sparse=False "
-                "(and a dense optimizer such as torch.optim.Adam instead of SparseAdam)"
-            )
 
