@@ -492,9 +492,11 @@ class ShardedDataParallel(nn.Module):
         """Send every bucket not yet sent (gradients accumulated under no_sync included)."""
         for bucket in self._buckets[self._next_launch :]:
             for param in bucket.spec.params:
-                if param in self._local_pending and param.dtype in self._grad_dtypes:
+                if param not in self._local_pending:
+                    continue
+                if param.dtype in self._grad_dtypes:  # Note [placeholders for moved gradients]
                     self._local_sums.settle(param, self._master_of(param))
-                grad = self._local_sums.take(param, param.grad) if param in self._local_pending else None
+                grad = self._local_sums.take(param, param.grad)
                 if grad is not None:
                     bucket.add(param, grad)
                     param.grad = None
