@@ -26,6 +26,7 @@ from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel  # noqa: E
 from shardopt.nn.fsdp import ModuleClassPolicy  # noqa: E402
 from shardopt.optim import OSS  # noqa: E402
 from shardopt.testing import run_ranks  # noqa: E402
+from tests.helpers.clip import clip_with_fed_norm, recorded_fsdp_clip_norms  # noqa: E402
 from tests.helpers.data import max_abs_diff  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -64,6 +65,20 @@ class Tiny(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class FedNormTiny(Tiny):
+    """Tiny clipping by given total norms, one per optimizer step (Note [fed clip norms] in
+    tests/helpers/clip.py): the DDP reference for ZeRO-3 with clipping."""
+
+    def __init__(self, fed_norms: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.fed_norms = iter(fed_norms)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_with_fed_norm(params, gradient_clip_val, next(self.fed_norms))
+
+
 def _data() -> TensorDataset:
     # 2 ranks x 6 batches of 4: 3 optimizer steps per epoch with ACCUM=2.
     gen = torch.Generator().manual_seed(7)
@@ -77,8 +92,9 @@ def _strategy(mode: str) -> Any:
 
 
 def _fit(mode: str, root: str, precision: Any = "32-true", epochs: int = 1, ckpt: str | None = None,
-         save: bool = False, clip: float | None = CLIP) -> tuple[Tiny, Any]:
-    model = Tiny()
+         save: bool = False, clip: float | None = CLIP,
+         fed_norms: list[torch.Tensor] | None = None) -> tuple[Tiny, Any]:
+    model = Tiny() if fed_norms is None else FedNormTiny(fed_norms)
     callbacks = [ModelCheckpoint(dirpath=root, filename=f"{mode}-{{epoch}}", save_top_k=-1)] if save else []
     plugins = [precision] if not isinstance(precision, str) else None
     trainer = L.Trainer(
@@ -111,9 +127,13 @@ def _fp32(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         ref, _ = _fit("ddp", tmp, clip=clip)
         out[f"{clip}/max_norm_seen"] = ref.max_norm_seen
         for mode in ("zero1", "zero2", "zero3", "zero3_units") if clip else ("zero3", "zero3_units"):
-            model, trainer = _fit(mode, tmp, clip=clip)
+            with recorded_fsdp_clip_norms() as norms:
+                model, trainer = _fit(mode, tmp, clip=clip)
             key = f"{clip}/{mode}"
             out[key] = max_abs_diff(_params(model), _params(ref))
+            if mode.startswith("zero3") and clip:  # Note [fed clip norms]
+                fed, _ = _fit("ddp", tmp, clip=clip, fed_norms=norms)
+                out[f"{key}/fed"] = max_abs_diff(_params(model), _params(fed))
             # After fit the module is plain: no wrapper, full parameters, callable.
             again = Tiny()
             again.load_state_dict(model.state_dict())
@@ -140,25 +160,33 @@ def test_zero1_zero2_zero3_train_like_ddp_with_accumulation_clipping_and_schedul
         assert out[f"{CLIP}/zero1"] == 0.0 and out[f"{CLIP}/zero2"] == 0.0, out
         # ZeRO-3 is exact, Lightning's zero_grad between forward and backward included ...
         assert out["None/zero3"] == 0.0 and out["None/zero3_units"] == 0.0, out
-        # ... but its clip norm is sqrt(sum of the ranks' squared piece norms), not torch's
-        # norm of per-tensor norms: the coefficient may differ in its last bits.
-        assert 0.0 <= out[f"{CLIP}/zero3"] <= 1e-7 and 0.0 <= out[f"{CLIP}/zero3_units"] <= 1e-7, out
+        # ... but its clip norm may differ from torch's in its last bits (Note [fed clip norms]
+        # in tests/helpers/clip.py): with clipping it equals DDP clipping by ZeRO-3's norms.
+        assert out[f"{CLIP}/zero3/fed"] == 0.0 and out[f"{CLIP}/zero3_units/fed"] == 0.0, out
 
 
 def _mixed(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     _ranks_env(rank, world_size)
     out: dict[str, Any] = {}
-    # ZeRO-3 without clipping: its clip norm is not bitwise torch's (see the fp32 test).
-    runs = {"bf16-mixed": {CLIP: ("zero1", "zero2"), None: ("zero3",)},
+    # ZeRO-3 with clipping is compared with DDP clipping by ZeRO-3's own norms: its clip norm
+    # is not bitwise torch's (Note [fed clip norms] in tests/helpers/clip.py).
+    runs = {"bf16-mixed": {CLIP: ("zero1", "zero2", "zero3"), None: ("zero3",)},
             "16-mixed": {CLIP: ("zero2",), None: ("zero3",)}}
     for precision, by_clip in runs.items():
         for clip, modes in by_clip.items():
             ref, _ = _fit("ddp", tmp, precision=MixedPrecision(precision, "cpu"), clip=clip)  # type: ignore[arg-type]
             for mode in modes:
-                model, trainer = _fit(mode, tmp, precision=MixedPrecision(precision, "cpu"), clip=clip)  # type: ignore[arg-type]
-                out[f"{precision}/{mode}"] = max_abs_diff(_params(model), _params(ref))
+                with recorded_fsdp_clip_norms() as norms:
+                    model, trainer = _fit(mode, tmp, precision=MixedPrecision(precision, "cpu"), clip=clip)  # type: ignore[arg-type]
+                if mode == "zero3" and clip:
+                    ref_for_mode, _ = _fit("ddp", tmp, precision=MixedPrecision(precision, "cpu"), clip=clip,  # type: ignore[arg-type]
+                                           fed_norms=norms)
+                    key = f"{precision}/{mode}/clip"
+                else:
+                    ref_for_mode, key = ref, f"{precision}/{mode}"
+                out[key] = max_abs_diff(_params(model), _params(ref_for_mode))
                 plugin = trainer.strategy.precision_plugin
-                out[f"{precision}/{mode}/plugin"] = type(plugin).__name__, type(plugin.scaler).__name__
+                out[f"{key}/plugin"] = type(plugin).__name__, type(plugin.scaler).__name__
     return out
 
 
