@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Set up a virtual environment (CPU torch from the local wheel cache) and run the test suite.
+# Set up a virtual environment with the exact versions in constraints.txt (CPU torch from the
+# local wheel cache) and run the test suite. Arguments go to pytest.
 # pytest's exit code 5 ("no tests collected") is a failure here, as is any other non-zero code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-# DS_BUILD_OPS=0: deepspeed (a dev extra, for the deepspeed-zero2 bench peer) compiles no C++ ops
-DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[dev]' </dev/null
+# PIP_CONSTRAINT (not -c) so that the isolated build of shardopt itself is pinned too.
+# DS_BUILD_OPS=0: deepspeed (the bench peer) compiles no C++ ops.
+PIP_CONSTRAINT="$PWD/constraints.txt" DS_BUILD_OPS=0 .venv/bin/python -m pip install -q \
+  --disable-pip-version-check torch==2.13.0 -e '.[dev]' </dev/null
 export OMP_NUM_THREADS=1
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
