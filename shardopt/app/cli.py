@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import torch
 
 from shardopt import __version__
+from shardopt.app.env_report import report_text
 from shardopt.app.launch import run_launched, under_torchrun
 from shardopt.app.models import PRESETS
 from shardopt.app.modes import MODES, bench_names, get_mode, resolve
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``shardopt`` argument parser (exposed for documentation and tests).
 
     Returns:
-        The parser with ``demo``, ``bench`` and ``estimate`` subcommands.
+        The parser with ``demo``, ``bench``, ``estimate`` and ``env`` subcommands.
     """
     parser = _Parser(prog="shardopt", description="ZeRO-style sharded training for PyTorch: demo, "
                      "benchmark and memory estimate")
@@ -165,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the list of modes this many times, interleaved, and pool each mode's step "
                             "times (default 1; use 3+ on a shared or noisy machine)")
     bench.add_argument("--plot", metavar="PNG", default=None, help="draw the comparison (needs matplotlib)")
+
+    sub.add_parser("env", help="print what a bug report needs (versions, backends, CPU, GPUs)",
+                   description="Print Python, torch, the distributed backends, the CPU kernels torch "
+                               "dispatches, the GPUs and the installed integrations, as one block to paste "
+                               "into a bug report.")
 
     est = sub.add_parser("estimate", help="model-state bytes per rank (ZeRO paper formulas)",
                          description="Model-state memory per rank for DDP and ZeRO stages 1/2/3.")
@@ -436,6 +442,11 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env(args: argparse.Namespace) -> int:
+    sys.stdout.write(report_text() + "\n")  # plain text to paste, not a rich table
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardopt`` console script and ``python -m shardopt``.
 
@@ -447,5 +458,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         on stderr; Ctrl-C ends every rank and exits 130.
     """
     args = build_parser().parse_args(argv)
-    handlers = {"demo": _demo, "bench": _bench, "estimate": _estimate}
+    handlers = {"demo": _demo, "bench": _bench, "estimate": _estimate, "env": _env}
     return handlers[args.command](args)
