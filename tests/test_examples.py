@@ -1,6 +1,7 @@
-"""The README's example runs as printed: ``examples/train.py`` under torchrun on 2 CPU ranks
-trains (its loss falls), and a run stopped at a checkpoint and resumed ends with the same
-parameters, optimizer state and losses as one that never stopped."""
+"""The README's example runs as printed: the README shows ``examples/train.py`` as it is, the
+script under torchrun on 2 CPU ranks trains (its loss falls), and a run stopped at a
+checkpoint and resumed ends with the same parameters, optimizer state and losses as one that
+never stopped."""
 
 from __future__ import annotations
 
@@ -15,9 +16,15 @@ import torch
 
 from tests.helpers.processes import REPO
 
-pytestmark = pytest.mark.distributed  # starts torchrun and its ranks
-
 TRAIN = os.path.join(REPO, "examples", "train.py")
+
+
+def test_readme_shows_examples_train_py_as_it_is() -> None:
+    with open(TRAIN) as f:
+        script = f.read()
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    assert f"```python\n{script}```\n" in readme, "README.md's copy of examples/train.py differs: paste the file"
 
 
 def _train(cwd: Path, steps: int, checkpoint: str) -> list[tuple[int, str]]:
@@ -31,6 +38,7 @@ def _train(cwd: Path, steps: int, checkpoint: str) -> list[tuple[int, str]]:
     return [(int(m[1]), m[2]) for m in re.finditer(r"^step (\d+) loss (\S+)", done.stdout, re.MULTILINE)]
 
 
+@pytest.mark.distributed  # starts torchrun and its ranks
 def test_train_example_loss_falls_and_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> None:
     straight = _train(tmp_path, 6, "straight.pt")
     assert [s for s, _ in straight] == [1, 2, 3, 4, 5, 6]
