@@ -19,10 +19,11 @@ parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--checkpoint", default="checkpoint.pt")
 args = parser.parse_args()
 cuda = torch.cuda.is_available()
-dist.init_process_group("nccl" if cuda else "gloo")
-rank, device = dist.get_rank(), torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
+device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
 if cuda:
     torch.cuda.set_device(device)
+dist.init_process_group("nccl" if cuda else "gloo")
+rank = dist.get_rank()
 
 torch.manual_seed(0)  # the same initial weights on every rank
 model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 1)).to(device)
