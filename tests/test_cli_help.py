@@ -5,6 +5,7 @@ on standard error."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shlex
 from typing import Any
@@ -77,3 +78,20 @@ def test_bench_shows_overall_progress_on_stderr_and_json_dash_keeps_stdout_for_j
     # the progress bar counts runs (2 modes x 2 rounds) and shows elapsed time and time left
     assert "4/4 runs," in err and "elapsed, about" in err and "left: done" in err, err
     assert "median step ms" in err  # the table
+
+
+def test_bench_eta_appears_after_the_first_run_and_survives_runs_longer_than_richs_window() -> None:
+    from rich.console import Console
+
+    from shardopt.app.bench import bench_progress, start_runs
+
+    now = [100.0]
+    progress = bench_progress(Console(file=io.StringIO()), get_time=lambda: now[0])
+    task = start_runs(progress, 4)
+    assert progress.tasks[0].time_remaining is None  # nothing done yet: no rate
+    now[0] += 40.0  # one run longer than rich's default 30 s window
+    progress.advance(task)
+    assert progress.tasks[0].time_remaining == pytest.approx(120.0)  # 3 runs left at 40 s each
+    now[0] += 80.0
+    progress.advance(task)
+    assert progress.tasks[0].time_remaining == pytest.approx(120.0)  # 2 left at the mean of 60 s

@@ -32,6 +32,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -44,7 +45,7 @@ from shardopt.app.launch import run_launched
 from shardopt.app.modes import resolve
 from shardopt.app.render import JSON_TO_STDOUT, machine_info, mib, stdout_kept_for_json, write_json
 
-__all__ = ["BenchConfig", "ModeResult", "bench_rank", "merge_rounds", "run_bench"]
+__all__ = ["BenchConfig", "ModeResult", "bench_progress", "bench_rank", "merge_rounds", "run_bench", "start_runs"]
 
 
 @dataclass(frozen=True)
@@ -181,11 +182,9 @@ def _run_modes(args: BenchConfig, console: Console) -> list[ModeResult]:
     diffs: dict[str, float] = {name: 0.0 for name in names}
     for name, reason in args.skipped:
         console.print(f"bench: skipping {name}: {reason}")
-    columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("runs,"), TimeElapsedColumn(),
-               TextColumn("elapsed, about"), TimeRemainingColumn(), TextColumn("left: {task.description}"))
-    with tempfile.TemporaryDirectory(prefix="shardopt-bench-") as tmp, \
-            Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("starting", total=rounds * len(names))
+    progress = bench_progress(console)
+    with tempfile.TemporaryDirectory(prefix="shardopt-bench-") as tmp, progress:
+        task = start_runs(progress, rounds * len(names))
         for round_index in range(rounds):
             reference: dict[str, torch.Tensor] | None = None
             for name in names:
@@ -216,6 +215,40 @@ def _run_modes(args: BenchConfig, console: Console) -> list[ModeResult]:
             _ratio(raw.worst(key), base.worst(key)) for key in ("median_step_s", "heap_after_step", "bytes_per_step")
         )))
     return results
+
+
+# Note [bench ETA]
+# The time left is the runs still to do divided by the mean rate over every run so far. rich
+# estimates a rate from the progress samples of its last `speed_estimate_period` seconds (30
+# by default), and one run of the 27m model takes longer than that: its window would hold a
+# single sample, and the estimate would read "-:--:--" for the whole bench. So the window is
+# longer than any bench, and a sample at 0 runs is taken at the start, so the estimate
+# appears as soon as the first run ends. Runs differ in length (zero3 is slower than ddp, a
+# peer loads its library), so it is an estimate, settling as the rounds go by.
+_BENCH_WINDOW_S = 7 * 24 * 3600.0
+
+
+def bench_progress(console: Console, get_time: Callable[[], float] | None = None) -> Progress:
+    """The bench's overall progress bar: runs done of all, elapsed time, time left (Note [bench ETA]).
+
+    Args:
+        console: where to draw it (standard error).
+        get_time: the clock (default: rich's, monotonic), for tests.
+
+    Returns:
+        The progress display, not started; add the task with :func:`start_runs`.
+    """
+    columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("runs,"), TimeElapsedColumn(),
+               TextColumn("elapsed, about"), TimeRemainingColumn(), TextColumn("left: {task.description}"))
+    return Progress(*columns, console=console, transient=False, speed_estimate_period=_BENCH_WINDOW_S,
+                    get_time=get_time)
+
+
+def start_runs(progress: Progress, total_runs: int) -> TaskID:
+    """Add the one task of :func:`bench_progress` with its first sample at 0 runs (Note [bench ETA])."""
+    task = progress.add_task("starting", total=total_runs)
+    progress.advance(task, 0)
+    return task
 
 
 def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
