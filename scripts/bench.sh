@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README benchmark: the 27M-parameter GPT, Adam, every shardopt mode and installed peer,
+# The CPU benchmark of docs/benchmarks.md: the 27M-parameter GPT, Adam, every shardopt mode and installed peer,
 # at 2 and 4 ranks on CPU (gloo). Writes bench-results/bench-<N>ranks.json (and .png when
 # matplotlib is installed). Run it on an otherwise idle machine: step times are wall time.
 # Every mode runs in 2 interleaved rounds of 12 steps (10 counted each), pooled: a shared

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The mixed-precision benchmark (README "Mixed precision with fp32 master weights"): the
+# The mixed-precision benchmark (docs/benchmarks.md, "Mixed-precision ZeRO-2 against DeepSpeed ZeRO-2"): the
 # 27M-parameter GPT, Adam, CPU/gloo; fp32 DDP as the baseline, bf16 DDP, shardopt ZeRO-1/2
 # with fp32 masters (reducing in fp32 and in bf16) and DeepSpeed ZeRO-2 bf16 when deepspeed
 # is installed (a missing peer is skipped with a note). A CPU without bf16 instructions runs a

@@ -304,11 +304,11 @@ def test_bench_rounds_interleave_and_pool_step_times(tmp_path: Any, capfd: pytes
             assert rank["counted_steps"] == len(rank["step_times_s"]) == 4  # 2 rounds x (3 - 1 warm-up)
             assert rank["median_step_s"] == statistics.median(rank["step_times_s"])
         assert r["max_param_diff"] == 0.0
-    printed = capfd.readouterr().out
-    # interleaved: ddp, zero2, ddp, zero2
-    order = [line.split()[1] for line in printed.splitlines() if line.startswith("bench: ") and "done" in line]
+    printed = capfd.readouterr()
+    # interleaved: ddp, zero2, ddp, zero2 (progress lines go to stderr, the table to stdout)
+    order = [line.split()[1] for line in printed.err.splitlines() if line.startswith("bench: ") and "done" in line]
     assert order == ["ddp", "zero2", "ddp", "zero2"], order
-    assert "2 interleaved rounds pooled" in printed
+    assert "2 interleaved rounds pooled" in printed.out
 
 
 def test_merge_rounds_pools_times_and_keeps_the_largest_memory() -> None:

@@ -10,6 +10,10 @@ on the 2-core test machine gave zero2/ddp time ratios of 1.02 and 1.08). Every r
 :mod:`shardopt.app.runner`); rank 0 of each run saves the final full parameters, and this
 process compares them with DDP's (max |param - DDP param|) and divides each mode's time,
 heap and bytes by DDP's. Results go to a rich table, optionally JSON and a matplotlib plot.
+While it runs, a progress bar on standard error counts the runs (modes x rounds) with the
+elapsed time and an estimate of the time left; with ``--json -`` the table goes to standard
+error too and standard output carries the JSON alone (Note [JSON on standard output] in
+:mod:`shardopt.app.render`).
 """
 
 from __future__ import annotations
@@ -24,15 +28,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardopt.app import runner
 from shardopt.app.launch import run_launched
 from shardopt.app.modes import resolve
-from shardopt.app.render import machine_info, mib, write_json
+from shardopt.app.render import JSON_TO_STDOUT, machine_info, mib, stdout_kept_for_json, write_json
 
-__all__ = ["BenchConfig", "ModeResult", "bench_rank", "merge_rounds", "run_bench"]
+__all__ = ["BenchConfig", "ModeResult", "bench_progress", "bench_rank", "merge_rounds", "run_bench", "start_runs"]
 
 
 @dataclass(frozen=True)
@@ -75,21 +88,24 @@ class BenchConfig:
 
 
 @record
-def bench_rank(job: runner.TrainJob) -> list[dict[str, Any]] | None:
+def bench_rank(job: runner.TrainJob, quiet_stdout: bool = False) -> list[dict[str, Any]] | None:
     """One rank of one benchmarked mode: join the group, train, report (rank 0 returns all ranks).
 
     Args:
         job: the job (``params_out`` set so rank 0 saves the final parameters).
+        quiet_stdout: send whatever the rank prints (a peer library's logging) to standard
+            error, as ``--json -`` needs (Note [JSON on standard output] in :mod:`shardopt.app.render`).
 
     Returns:
         On rank 0 every rank's report as dicts, else ``None``.
     """
-    runner.init_process_group_from_env(device=job.device)
-    try:
-        reports = runner.train(job)
-        return [r.as_dict() for r in reports] if dist.get_rank() == 0 else None
-    finally:
-        dist.destroy_process_group()
+    with stdout_kept_for_json(quiet_stdout):
+        runner.init_process_group_from_env(device=job.device)
+        try:
+            reports = runner.train(job)
+            return [r.as_dict() for r in reports] if dist.get_rank() == 0 else None
+        finally:
+            dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -138,14 +154,37 @@ def run_bench(config: BenchConfig) -> int:
     Returns:
         The exit code.
     """
-    args, names, world, threads = config, list(config.modes), config.world_size, config.threads_per_rank
-    console = Console()
+    with stdout_kept_for_json(config.json_path == JSON_TO_STDOUT) as json_stream:
+        results = _run_modes(config, Console(stderr=True))
+        to_stderr = json_stream is not None
+        console = Console(stderr=to_stderr)
+        (console if console.is_terminal else Console(width=170, stderr=to_stderr)).print(
+            bench_table(config, config.world_size, results))
+        if config.json_path:
+            write_json(config.json_path, {
+                "command": "bench", "machine": machine_info(), "world_size": config.world_size,
+                "threads_per_rank": config.threads_per_rank, "model": config.model,
+                "num_params": results[0].ranks[0]["num_params"], "steps": config.steps,
+                "warmup_steps": config.warmup_steps, "batch_size": config.batch_size, "seed": config.seed,
+                "rounds": config.rounds,
+                "results": [{**r.__dict__, "precision": resolve(r.mode)[1].describe()} for r in results],
+                "skipped": [{"mode": name, "reason": reason} for name, reason in config.skipped],
+            }, json_stream)
+    if config.plot_path:
+        plot(results, config.plot_path, f"{config.model}, {config.world_size} ranks")
+    return 0
+
+
+def _run_modes(args: BenchConfig, console: Console) -> list[ModeResult]:
+    """Run every round of every mode, showing overall progress on ``console``; the results, DDP first."""
+    names, world, rounds = list(args.modes), args.world_size, args.rounds
     runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
     diffs: dict[str, float] = {name: 0.0 for name in names}
-    rounds: int = args.rounds
     for name, reason in args.skipped:
         console.print(f"bench: skipping {name}: {reason}")
-    with tempfile.TemporaryDirectory(prefix="shardopt-bench-") as tmp:
+    progress = bench_progress(console)
+    with tempfile.TemporaryDirectory(prefix="shardopt-bench-") as tmp, progress:
+        task = start_runs(progress, rounds * len(names))
         for round_index in range(rounds):
             reference: dict[str, torch.Tensor] | None = None
             for name in names:
@@ -153,11 +192,11 @@ def run_bench(config: BenchConfig) -> int:
                 mode, precision = resolve(name)
                 job = runner.TrainJob(mode=mode.name, precision=precision, preset=args.model, steps=args.steps,
                                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                      warmup_steps=args.warmup_steps, params_out=params_path, threads_per_rank=threads,
-                                      device=args.device)
+                                      warmup_steps=args.warmup_steps, params_out=params_path,
+                                      threads_per_rank=args.threads_per_rank, device=args.device)
                 where = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
-                with console.status(f"bench: {name} on {world} ranks ({args.steps} steps){where}"):
-                    ranks = run_launched("bench", bench_rank, world, job)[0]
+                progress.update(task, description=f"{name} on {world} ranks ({args.steps} steps){where}")
+                ranks = run_launched("bench", bench_rank, world, job, args.json_path == JSON_TO_STDOUT)[0]
                 params = torch.load(params_path, weights_only=True)
                 os.remove(params_path)
                 if reference is None:
@@ -165,7 +204,9 @@ def run_bench(config: BenchConfig) -> int:
                 diffs[name] = max(diffs[name], _max_diff(reference, params))
                 runs[name].append(ranks)
                 median = max(r["median_step_s"] or float("nan") for r in ranks)
-                console.print(f"bench: {name}{where} done, median step {1000 * median:.1f} ms")
+                progress.advance(task)
+                progress.console.print(f"bench: {name}{where} done, median step {1000 * median:.1f} ms")
+        progress.update(task, description="done")
     results: list[ModeResult] = []
     for name in names:
         raw = ModeResult(name, merge_rounds(runs[name]), diffs[name], None, None, None)
@@ -173,20 +214,41 @@ def run_bench(config: BenchConfig) -> int:
         results.append(ModeResult(raw.mode, raw.ranks, raw.max_param_diff, *(
             _ratio(raw.worst(key), base.worst(key)) for key in ("median_step_s", "heap_after_step", "bytes_per_step")
         )))
-    wide = console if console.is_terminal else Console(width=170)
-    wide.print(bench_table(args, world, results))
-    if args.json_path:
-        write_json(args.json_path, {
-            "command": "bench", "machine": machine_info(), "world_size": world, "threads_per_rank": threads,
-            "model": args.model, "num_params": results[0].ranks[0]["num_params"], "steps": args.steps,
-            "warmup_steps": args.warmup_steps, "batch_size": args.batch_size, "seed": args.seed,
-            "rounds": rounds,
-            "results": [{**r.__dict__, "precision": resolve(r.mode)[1].describe()} for r in results],
-            "skipped": [{"mode": name, "reason": reason} for name, reason in args.skipped],
-        })
-    if args.plot_path:
-        plot(results, args.plot_path, f"{args.model}, {world} ranks")
-    return 0
+    return results
+
+
+# Note [bench ETA]
+# The time left is the runs still to do divided by the mean rate over every run so far. rich
+# estimates a rate from the progress samples of its last `speed_estimate_period` seconds (30
+# by default), and one run of the 27m model takes longer than that: its window would hold a
+# single sample, and the estimate would read "-:--:--" for the whole bench. So the window is
+# longer than any bench, and a sample at 0 runs is taken at the start, so the estimate
+# appears as soon as the first run ends. Runs differ in length (zero3 is slower than ddp, a
+# peer loads its library), so it is an estimate, settling as the rounds go by.
+_BENCH_WINDOW_S = 7 * 24 * 3600.0
+
+
+def bench_progress(console: Console, get_time: Callable[[], float] | None = None) -> Progress:
+    """The bench's overall progress bar: runs done of all, elapsed time, time left (Note [bench ETA]).
+
+    Args:
+        console: where to draw it (standard error).
+        get_time: the clock (default: rich's, monotonic), for tests.
+
+    Returns:
+        The progress display, not started; add the task with :func:`start_runs`.
+    """
+    columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("runs,"), TimeElapsedColumn(),
+               TextColumn("elapsed, about"), TimeRemainingColumn(), TextColumn("left: {task.description}"))
+    return Progress(*columns, console=console, transient=False, speed_estimate_period=_BENCH_WINDOW_S,
+                    get_time=get_time)
+
+
+def start_runs(progress: Progress, total_runs: int) -> TaskID:
+    """Add the one task of :func:`bench_progress` with its first sample at 0 runs (Note [bench ETA])."""
+    task = progress.add_task("starting", total=total_runs)
+    progress.advance(task, 0)
+    return task
 
 
 def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -9,6 +9,8 @@
   :mod:`shardopt.app.bench`).
 - ``shardopt estimate`` prints the ZeRO paper's model-state bytes per rank.
 
+Each subcommand's ``--help`` ends with examples (:data:`EXAMPLES`; a test parses every one).
+``--json -`` writes the JSON to standard output and everything else to standard error.
 Bad arguments end with one line ``shardopt <command>: error: ...`` and exit code 2.
 """
 
@@ -30,11 +32,36 @@ from shardopt.app.launch import run_launched, under_torchrun
 from shardopt.app.models import PRESETS
 from shardopt.app.modes import MODES, bench_names, get_mode, resolve
 from shardopt.app.precision import PRECISIONS, REDUCE_DTYPES, Precision
+from shardopt.app.render import JSON_TO_STDOUT
 from shardopt.app.runner import DEVICE_CHOICES, TrainJob
 from shardopt.memory import estimate_model_states
 
-__all__ = ["main"]
+__all__ = ["EXAMPLES", "build_parser", "main"]
 
+EXAMPLES = {
+    "demo": (
+        ("shardopt demo", "ZeRO-2 on 2 local CPU ranks, 300 steps"),
+        ("shardopt demo --mode zero3 --world-size 4 --steps 100 --checkpoint out/demo.pt",
+         "ZeRO-3; run it again with --resume to continue"),
+        ("torchrun --nproc-per-node 2 -m shardopt demo --json - > demo.json", "under torchrun, JSON on stdout"),
+    ),
+    "bench": (
+        ("shardopt bench --model tiny --steps 10 --modes zero2,zero3", "a quick look at two modes against DDP"),
+        ("shardopt bench --rounds 3 --plot bench.png", "every fp32 mode, 3 interleaved rounds, a plot"),
+        ("shardopt bench --modes zero2-bf16m,deepspeed-zero2-bf16m --json - > bench.json",
+         "mixed precision against DeepSpeed"),
+    ),
+    "estimate": (
+        ("shardopt estimate --params 7.5e9 --world-size 64", "the ZeRO paper's example: 120 / 31.4 / 16.6 / 1.9 GB"),
+        ("shardopt estimate --model 27m --world-size 8 --fp32", "a built-in model, fp32 Adam"),
+        ("shardopt estimate --model torchvision.models:resnet50 --world-size 4 --json -", "any model factory"),
+    ),
+}
+"""Per subcommand, ``(command line, what it does)``: the examples at the end of its ``--help``."""
+
+
+def _epilog(command: str) -> str:
+    return "examples:\n" + "\n".join(f"  # {what}\n  {line}" for line, what in EXAMPLES[command])
 
 
 class _Parser(argparse.ArgumentParser):
@@ -109,7 +136,8 @@ def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: st
     p.add_argument("--seed", type=_seed, default=0, help="model and data seed, 0 to 999999 (default 0)")
     p.add_argument("--threads-per-rank", type=_thread_count, default=None,
                    help="intra-op threads per rank (default: CPU cores / ranks)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON; - writes them to "
+                   "standard output (tables and progress go to standard error)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="auto: NCCL with one GPU per local rank when there are enough GPUs, else gloo on the CPU; "
                    "cuda: GPUs even when local ranks must share them (gloo then); cpu: gloo on the CPU "
@@ -128,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="train the built-in GPT on the built-in corpus",
-                          description="Train the built-in GPT on Python's own sources on local ranks.")
+                          description="Train the built-in GPT on Python's own sources on local ranks.",
+                          epilog=_epilog("demo"), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_args(demo, steps=300, batch=8, preset="small")
     demo.add_argument("--mode", default="zero2", choices=list(MODES), help="how to train (default zero2)")
     demo.add_argument("--amp", choices=["bf16", "fp16"], default=None,
@@ -154,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "are restarted by a scheduler)")
 
     bench = sub.add_parser("bench", help="compare modes side by side",
-                           description="Run modes one after another on the same model, data and seed.")
+                           description="Run modes one after another on the same model, data and seed.",
+                           epilog=_epilog("bench"), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_args(bench, steps=10, batch=4, preset="27m")
     bench.add_argument("--modes", default=None,
                        help="comma-separated modes (default: every shardopt mode and installed peer in fp32); "
@@ -173,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "into a bug report.")
 
     est = sub.add_parser("estimate", help="model-state bytes per rank (ZeRO paper formulas)",
-                         description="Model-state memory per rank for DDP and ZeRO stages 1/2/3.")
+                         description="Model-state memory per rank for DDP and ZeRO stages 1/2/3.",
+                         epilog=_epilog("estimate"), formatter_class=argparse.RawDescriptionHelpFormatter)
     what = est.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9")
     what.add_argument("--model", help="a preset name or package.module:factory returning an nn.Module")
@@ -182,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "params with fp32 masters, as --precision bf16-master)")
     est.add_argument("--optimizer-bytes", type=_non_negative_float, default=None,
                      help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
-    est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
+    est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON; - writes it to "
+                     "standard output (the table goes to standard error)")
     return parser
 
 
@@ -300,7 +332,12 @@ def _check_needs_checkpoint(args: argparse.Namespace) -> None:
 
 
 def _check_writable(command: str, option: str, path: str, folder: bool, why: str) -> None:
-    """Fail now with one line when ``path`` cannot be written later (Note [paths checked at startup])."""
+    """Fail now with one line when ``path`` cannot be written later (Note [paths checked at startup]).
+
+    ``--json -`` (standard output) is always writable.
+    """
+    if option == "--json" and path == JSON_TO_STDOUT:
+        return
     path = os.path.abspath(path)
     if folder and os.path.exists(path) and not os.path.isdir(path):
         _fail(command, f"{option} {path!r} is a file, but {why}; remove it or choose another path")
@@ -436,7 +473,7 @@ def _estimate(args: argparse.Namespace) -> int:
         _fail("estimate", str(exc))
     from shardopt.app.render import estimate_rows, render_estimate, write_json
 
-    render_estimate(est)
+    render_estimate(est, stderr=args.json == JSON_TO_STDOUT)
     if args.json:
         write_json(args.json, {"command": "estimate", **est.as_dict(), "rows": estimate_rows(est), "unit": "bytes"})
     return 0

@@ -12,8 +12,10 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import IO, Any
 
@@ -27,7 +29,11 @@ from shardopt.app import runner
 from shardopt.files import atomic_write
 from shardopt.memory import GB, ModelStateEstimate, capabilities
 
-__all__ = ["demo_rank", "demo_table", "estimate_rows", "machine_info", "mib", "render_estimate", "write_json"]
+__all__ = ["JSON_TO_STDOUT", "demo_rank", "demo_table", "estimate_rows", "machine_info", "mib", "render_estimate",
+           "stdout_kept_for_json", "write_json"]
+
+JSON_TO_STDOUT = "-"
+"""``--json -``: the JSON goes to standard output, and everything else to standard error."""
 
 MiB = 2.0**20
 
@@ -44,14 +50,63 @@ def machine_info() -> dict[str, Any]:
             "measures": capabilities()}
 
 
-def write_json(path: str, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as indented JSON to ``path`` atomically (temp file, then rename)."""
+def write_json(path: str, payload: dict[str, Any], stdout: IO[str] | None = None) -> None:
+    """Write ``payload`` as indented JSON to ``path`` atomically (temp file, then rename).
+
+    Args:
+        path: the file, or :data:`JSON_TO_STDOUT` for standard output.
+        payload: plain values.
+        stdout: where :data:`JSON_TO_STDOUT` writes (the stream :func:`stdout_kept_for_json`
+            yields); ``sys.stdout`` when ``None``.
+    """
+    if path == JSON_TO_STDOUT:
+        out = sys.stdout if stdout is None else stdout
+        out.write(json.dumps(payload, indent=2) + "\n")
+        out.flush()
+        return
     text = json.dumps(payload, indent=2).encode()
 
     def write(f: IO[bytes]) -> None:
         f.write(text)
 
     atomic_write(path, write)
+
+
+# Note [JSON on standard output]
+# With `--json -` a script reads the JSON from standard output, so nothing else may reach it:
+# not the rich tables and progress bars (they take a stderr console), and not what libraries
+# print from inside a rank either (DeepSpeed's logger writes to stdout). So each process that
+# might print points its file descriptor 1 at standard error for the whole run and keeps a
+# duplicate of the original for the JSON alone. A rank must do this itself: ranks come from a
+# fork server that may have been started before, with the original standard output.
+
+
+@contextmanager
+def stdout_kept_for_json(active: bool) -> Iterator[IO[str] | None]:
+    """While ``active``, send this process's standard output to standard error and yield a
+    stream to the original standard output, for the JSON only (Note [JSON on standard output]).
+
+    Args:
+        active: whether the JSON goes to standard output (``--json -``); when ``False``
+            nothing changes and ``None`` is yielded.
+
+    Yields:
+        The stream to write the JSON to, or ``None``.
+    """
+    if not active:
+        yield None
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    kept = os.fdopen(os.dup(saved), "w")
+    try:
+        yield kept
+    finally:
+        kept.close()
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Table:
@@ -99,10 +154,15 @@ def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any
     Returns:
         On global rank 0 every rank's report as dicts; ``None`` on other ranks.
     """
+    with stdout_kept_for_json(json_path == JSON_TO_STDOUT) as json_stream:
+        return _demo_rank(job, json_path, json_stream)
+
+
+def _demo_rank(job: runner.TrainJob, json_path: str | None, json_stream: IO[str] | None) -> list[dict[str, Any]] | None:
     runner.init_process_group_from_env(device=job.device)
     try:
         rank = dist.get_rank()
-        console = Console()
+        console = Console(stderr=json_stream is not None)
         if rank != 0:
             runner.train(job)
             return None
@@ -126,7 +186,7 @@ def demo_rank(job: runner.TrainJob, json_path: str | None) -> list[dict[str, Any
         if json_path:
             write_json(json_path, {"command": "demo", "job": asdict(job), "machine": machine_info(),
                                     "final_loss": statistics.fmean(r.final_loss for r in reports),
-                                    "ranks": payload})
+                                    "ranks": payload}, json_stream)
         return payload
     finally:
         dist.destroy_process_group()
@@ -172,12 +232,13 @@ def _gb(value: float) -> str:
     return f"{value / GB:.1f}" if value >= GB else f"{value / GB:.3f}"
 
 
-def render_estimate(est: ModelStateEstimate) -> None:
+def render_estimate(est: ModelStateEstimate, stderr: bool = False) -> None:
     """Print the ZeRO-paper estimate as a rich table, each row labelled with the shardopt
     configuration that reaches it.
 
     Args:
         est: the estimate to show.
+        stderr: print on standard error (``--json -`` keeps standard output for the JSON).
     """
     mixed = est.param_bytes == 2
     precision = "mixed precision (bf16 params, fp32 master weights)" if mixed else "fp32"
@@ -202,8 +263,8 @@ def render_estimate(est: ModelStateEstimate) -> None:
         step = (_gb(row["at_step_bytes"]),) if mixed else ()
         table.add_row(row["stage"], label, f"{row['bytes']:,.0f}", _gb(row["bytes"]),
                       f"{row['bytes'] / est.ddp:.3f}x", *step)
-    console = Console()
-    (console if console.is_terminal else Console(width=160)).print(table)
+    console = Console(stderr=stderr)
+    (console if console.is_terminal else Console(width=160, stderr=stderr)).print(table)
     if est.largest_layer_params is not None:
-        Console().print(f"largest parameter tensor: {est.largest_layer_params:,} params; ZeRO-3 gathers at least "
+        console.print(f"largest parameter tensor: {est.largest_layer_params:,} params; ZeRO-3 gathers at least "
                         f"{est.largest_layer_params * est.param_bytes / GB:.3f} GB at once")
