@@ -56,6 +56,10 @@ EXAMPLES = {
         ("shardopt estimate --model 27m --world-size 8 --fp32", "a built-in model, fp32 Adam"),
         ("shardopt estimate --model torchvision.models:resnet50 --world-size 4 --json -", "any model factory"),
     ),
+    "env": (
+        ("shardopt env", "the block to paste into a bug report"),
+        ("ATEN_CPU_CAPABILITY=avx2 shardopt env", "what torch dispatches with its CPU kernels lowered to AVX2"),
+    ),
 }
 """Per subcommand, ``(command line, what it does)``: the examples at the end of its ``--help``."""
 
@@ -200,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="print what a bug report needs (versions, backends, CPU, GPUs)",
                    description="Print Python, torch, the distributed backends, the CPU kernels torch "
                                "dispatches, the GPUs and the installed integrations, as one block to paste "
-                               "into a bug report.")
+                               "into a bug report.",
+                   epilog=_epilog("env"), formatter_class=argparse.RawDescriptionHelpFormatter)
 
     est = sub.add_parser("estimate", help="model-state bytes per rank (ZeRO paper formulas)",
                          description="Model-state memory per rank for DDP and ZeRO stages 1/2/3.",
