@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
-from shardopt.optim.masters import is_placeholder
+from shardopt.placeholders import is_placeholder
 from shardopt.testing import run_ranks
 from tests.helpers.masters import (
     MasterReference,
