@@ -17,8 +17,9 @@ from torch.autograd.graph import get_gradient_edge
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
-from shardopt.nn.data_parallel.gradient_checks import check_accumulated, refuse_sparse_modules
+from shardopt.nn.data_parallel.gradient_checks import check_accumulated
 from shardopt.nn.data_parallel.local_sums import LocalSums
+from shardopt.nn.module_checks import refuse_sparse_modules
 from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
 
