@@ -184,14 +184,14 @@ def _memory(rank: int, world_size: int) -> dict[str, Any]:
     sdp(rank_batch(rank, 0)).pow(2).mean().backward()
     owned = {p for i, p in enumerate(opt.params) if opt.owns(i)}
     grads_ok = all((p.grad is not None) == (p in owned) for p in model.parameters())
-    multi = [b.spec for b in sdp._buckets if len(b.spec.params) > 1]
+    multi = [b.spec for b in sdp.reduction_buckets if len(b.spec.params) > 1]
     largest_single = max(p.numel() for p in model.parameters())
     return {
         "grads_only_on_owner": grads_ok,
-        "buffers_released": all(b.state.name == "EMPTY" and b._send is None for b in sdp._buckets),
+        "buffers_released": all(b.state.name == "EMPTY" and not b.holds_buffers for b in sdp.reduction_buckets),
         "multi_param_buckets_within_cap": all(s.numel - len(s.params) <= cap for s in multi),
         "every_bucket_within_cap_or_single": all(
-            s.numel - len(s.params) <= max(cap, largest_single) for s in (b.spec for b in sdp._buckets)
+            s.numel - len(s.params) <= max(cap, largest_single) for s in (b.spec for b in sdp.reduction_buckets)
         ),
         "owned_grad_elems": sum(p.numel() for p in owned),
         "all_elems": sum(p.numel() for p in model.parameters()),

@@ -439,8 +439,8 @@ def _buckets_and_dtypes(rank: int, world_size: int) -> dict[str, Any]:
         sdp = ShardedDataParallel(sharded, opt, reduce_buffer_size=cap)
         results[f"cap={cap}/single_dtype_buckets"] = all(
             len({p.dtype for p in b.spec.params}) == 1 and b.spec.wire_dtype == b.spec.params[0].dtype
-            for b in sdp._buckets)
-        results[f"cap={cap}/buckets"] = len(sdp._buckets)
+            for b in sdp.reduction_buckets)
+        results[f"cap={cap}/buckets"] = len(sdp.reduction_buckets)
         for step in range(5):
             x = rank_batch(rank, step)
             for m, o in ((sdp, opt), (ddp, ddp_opt)):
@@ -645,7 +645,7 @@ def _recipes(rank: int, world_size: int) -> dict[str, float]:
         opt.step()
         ref_opt.step()
     results["tied_across_reentrant_checkpoint"] = rel_diff(sharded, ref)
-    results["tied_across_reentrant_checkpoint/reduction_rounds"] = len(calls) / len(sdp._buckets)
+    results["tied_across_reentrant_checkpoint/reduction_rounds"] = len(calls) / len(sdp.reduction_buckets)
 
     # 1b. A layer shared by two non-reentrant checkpoints (reentrant ones are refused).
     ref_s, sharded_s = SharedLayers(use_reentrant=False), SharedLayers(use_reentrant=False)

@@ -6,7 +6,6 @@ import contextlib
 import functools
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Generator
 from typing import Any
 
@@ -19,20 +18,12 @@ from shardopt.agreement import check_agreement
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
 from shardopt.nn.data_parallel.gradient_checks import check_accumulated
 from shardopt.nn.data_parallel.local_sums import LocalSums
+from shardopt.nn.data_parallel.reduction_queue import ReductionQueue
 from shardopt.nn.module_checks import refuse_sparse_modules
 from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
 
 __all__ = ["ShardedDataParallel"]
-
-# Note [reductions in flight]
-# Reductions stay in flight until their bytes pass two default buckets' worth (2 x 2**23
-# fp32 elements); then the oldest is waited for. With default buckets that is two in
-# flight, as before. Without buckets (reduce_buffer_size=0: one all-to-all per parameter,
-# fairscale's benchmark setting) a count of two serialised hundreds of tiny transfers, and
-# a step of a model of 150 small parameters took 1.46x fairscale's (scripts/bench_bucketless.py,
-# 2 ranks); a byte budget keeps as many small ones in flight as large ones would use memory.
-_MAX_BYTES_IN_FLIGHT = 2 * 2**23 * 4
 
 _MIN_BUCKET_NUMEL = 2**16  # Note [small parameters share a bucket] in grad_buckets
 
@@ -54,17 +45,6 @@ _MIN_BUCKET_NUMEL = 2**16  # Note [small parameters share a bucket] in grad_buck
 # when a gradient is really accumulated. A tensor hook (``param.register_hook``) would also
 # fire for ``torch.autograd.grad(loss, params)``, which never touches ``.grad``: the owner's
 # reduced gradient would vanish into the set-aside table and the step would skip it.
-
-# Note [reentrant checkpoints]
-# A reentrant activation checkpoint runs a nested backward, with its own end-of-backward
-# callbacks. The flush is queued on the backward in which the first gradient of an
-# iteration arrives. If that is a nested one, every bucket is sent when it ends and the
-# rest of the outer backward is reduced in a second round: correct (the owner adds the
-# rounds, Note [owner's gradient across backward passes]) but with twice the bytes. A
-# parameter used in several reentrant checkpoints after the flush was queued on the outer
-# backward gets one gradient per nested backward within one round, after its bucket may
-# have been sent: that is refused with a ValueError naming it, rather than reduced wrongly.
-# Non-reentrant checkpoints (use_reentrant=False) have neither problem.
 
 
 class ShardedDataParallel(nn.Module):
@@ -175,12 +155,7 @@ class ShardedDataParallel(nn.Module):
         self._should_sync = True
         self._hook_handles: list[Any] = []
         self._accumulators: list[Any] = []
-        self._buckets: list[GradBucket] = []
-        self._bucket_of: dict[nn.Parameter, GradBucket] = {}
-        self._next_launch = 0
-        self._in_flight: deque[tuple[GradBucket, comm.PendingWork, list[torch.Tensor]]] = deque()
-        self._bytes_in_flight = 0
-        self._callback_queued = False
+        self._queue = ReductionQueue([], self.process_group, self.rank, self.world_size, self._receive)
         self._set_aside: dict[nn.Parameter, torch.Tensor] = {}
         self._written: dict[nn.Parameter, weakref.ref[torch.Tensor]] = {}
         self._local_pending: set[nn.Parameter] = set()
@@ -241,15 +216,13 @@ class ShardedDataParallel(nn.Module):
             )
         specs = plan_buckets(trainable, [owners[p] for p in trainable], self.world_size,
                              self.reduce_buffer_size or _MIN_BUCKET_NUMEL, self._wire_dtypes, self._grad_dtypes)
-        self._buckets = [GradBucket(spec, self.rank, 1.0 / self.world_size) for spec in specs]
-        self._bucket_of = {p: b for b in self._buckets for p in b.spec.params}
+        self._queue = ReductionQueue(specs, self.process_group, self.rank, self.world_size, self._receive)
         # The engine holds AccumulateGrad nodes weakly: keep them, or the hooks die with them.
         self._accumulators = [get_gradient_edge(p).node for p in trainable]
         for p, accumulator in zip(trainable, self._accumulators):
             self._hook_handles.append(accumulator.register_prehook(self._make_pre_hook(p)))
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
         self._trainable_sig = self._trainable_signature()
-        self._reset_iteration()
 
     def _remove_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -259,7 +232,7 @@ class ShardedDataParallel(nn.Module):
     def refresh_trainable(self) -> None:
         """Re-partition the optimizers and rebuild buckets after (un)freezing. All ranks."""
         self._check_open("refresh_trainable()")
-        if self._in_flight or self._next_launch:
+        if self._queue.busy:
             raise RuntimeError(
                 f"[rank {self.rank}] refresh_trainable() was called while gradients are being reduced; "
                 "call it between iterations (after optimizer.step())"
@@ -314,7 +287,7 @@ class ShardedDataParallel(nn.Module):
         Raises:
             RuntimeError: gradients are being reduced (called inside a backward pass).
         """
-        if self._in_flight or self._next_launch:
+        if self._queue.busy:
             raise RuntimeError(
                 f"[rank {self.rank}] close() was called while gradients are being reduced; "
                 "call it between iterations (after optimizer.step())"
@@ -386,6 +359,13 @@ class ShardedDataParallel(nn.Module):
         """Whether the next backward reduces gradients (False inside :meth:`no_sync`)."""
         return self._should_sync
 
+    @property
+    def reduction_buckets(self) -> tuple[GradBucket, ...]:
+        """The gradient buckets, in launch order, for inspection (do not fill or send them):
+        each one's ``spec`` is its planned layout, its ``state`` and ``holds_buffers`` say
+        where it is in the current iteration."""
+        return tuple(self._queue.buckets)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -425,55 +405,36 @@ class ShardedDataParallel(nn.Module):
             self._local_sums.keep(param)  # Note [no_sync sums in master precision]
             self._local_sums.leave(param, self._master_of(param))
             return
-        bucket = self._bucket_of[param]
-        if bucket.spec.index < self._next_launch or bucket.holds(param):  # Note [reentrant checkpoints]
+        if self._queue.is_sent_or_holds(param):  # Note [reentrant checkpoints] in reduction_queue
             raise ValueError(
                 f"parameter {self._name_of(param)!r} got a second gradient in one backward pass after its "
                 "first was queued for reduction. This happens when it is used in several reentrant activation "
                 "checkpoints (torch.utils.checkpoint(..., use_reentrant=True)), whose nested backward passes "
                 "each accumulate into it: use use_reentrant=False"
             )
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        self._queue.queue_callback(self._flush)
         grad = self._local_sums.take(param, param.grad)
         assert grad is not None
-        bucket.add(param, grad)
         param.grad = None
         self._local_pending.discard(param)
-        self._launch_ready()
+        self._queue.add(param, grad)
 
     def _name_of(self, param: torch.Tensor) -> str:
         return next((n for n, p in self.module.named_parameters() if p is param), "<not in module>")
 
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].complete:
-            self._launch(self._buckets[self._next_launch])
-
-    def _launch(self, bucket: GradBucket) -> None:
-        pending, recv = bucket.launch(self.process_group, self.world_size)
-        self._in_flight.append((bucket, pending, recv))
-        self._bytes_in_flight += bucket.nbytes
-        self._next_launch += 1
-        while len(self._in_flight) > 1 and self._bytes_in_flight > _MAX_BYTES_IN_FLIGHT:
-            self._finish(*self._in_flight.popleft())  # Note [reductions in flight]
-
-    def _finish(self, bucket: GradBucket, pending: comm.PendingWork, recv: list[torch.Tensor]) -> None:
-        pending.wait()
-        self._bytes_in_flight -= bucket.nbytes
-        for param, reduced in bucket.unpack(recv, self.world_size):
-            if bucket.spec.grad_dtype != param.dtype:  # Note [reduce into master gradients]
-                self._add_to_master(param, reduced)
-                continue
-            kept = self._set_aside.pop(param, None)
-            if reduced is None:
-                if kept is not None:
-                    param.grad = kept
-                continue
+    def _receive(self, param: nn.Parameter, reduced: torch.Tensor | None, grad_dtype: torch.dtype) -> None:
+        if grad_dtype != param.dtype:  # Note [reduce into master gradients]
+            self._add_to_master(param, reduced)
+            return
+        kept = self._set_aside.pop(param, None)
+        if reduced is None:
             if kept is not None:
-                reduced = kept.add_(reduced)
-            param.grad = reduced
-            self._written[param] = weakref.ref(reduced)
+                param.grad = kept
+            return
+        if kept is not None:
+            reduced = kept.add_(reduced)
+        param.grad = reduced
+        self._written[param] = weakref.ref(reduced)
 
     def _master_of(self, param: torch.Tensor) -> torch.Tensor | None:
         return self._optim_of[param].master_of(param) if param.dtype in self._grad_dtypes else None
@@ -486,30 +447,20 @@ class ShardedDataParallel(nn.Module):
             master.grad = reduced if master.grad is None else master.grad.add_(reduced)
         self._local_sums.leave(param, master)
 
-    def _on_backward_end(self) -> None:
-        self._flush()
-
     def _flush(self) -> None:
         """Send every bucket not yet sent (gradients accumulated under no_sync included)."""
-        for bucket in self._buckets[self._next_launch :]:
-            for param in bucket.spec.params:
-                if param not in self._local_pending:
-                    continue
-                if param.dtype in self._grad_dtypes:  # Note [placeholders for moved gradients]
-                    self._local_sums.settle(param, self._master_of(param))
-                grad = self._local_sums.take(param, param.grad)
-                if grad is not None:
-                    bucket.add(param, grad)
-                    param.grad = None
-            self._launch(bucket)
-        while self._in_flight:
-            self._finish(*self._in_flight.popleft())
+        self._queue.flush(self._take_pending)
         self._local_pending.clear()
-        self._reset_iteration()
 
-    def _reset_iteration(self) -> None:
-        self._next_launch = 0
-        self._callback_queued = False
+    def _take_pending(self, param: nn.Parameter) -> torch.Tensor | None:
+        if param not in self._local_pending:
+            return None
+        if param.dtype in self._grad_dtypes:  # Note [placeholders for moved gradients] in shardopt.placeholders
+            self._local_sums.settle(param, self._master_of(param))
+        grad = self._local_sums.take(param, param.grad)
+        if grad is not None:
+            param.grad = None
+        return grad
 
     def reduce(self) -> None:
         """Reduce the gradients accumulated locally (under :meth:`no_sync`) now. All ranks.
