@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["check_accumulated"]
+__all__ = ["check_accumulated", "check_grads_are_leaves"]
 
 
 def check_accumulated(param: nn.Parameter, name_of: Callable[[torch.Tensor], str]) -> None:
@@ -40,3 +40,22 @@ def check_accumulated(param: nn.Parameter, name_of: Callable[[torch.Tensor], str
             "reduces dense gradients only; make the operation producing it dense "
             "(e.g. nn.Embedding(sparse=False), F.embedding(..., sparse=False))"
         )
+
+
+def check_grads_are_leaves(module: nn.Module, name_of: Callable[[torch.Tensor], str]) -> None:
+    """Raise on a ``.grad`` that carries a graph, before a training forward.
+
+    Args:
+        module: the wrapped module.
+        name_of: a parameter's name in the module, for the message.
+
+    Raises:
+        RuntimeError: a parameter's gradient requires grad.
+    """
+    for p in module.parameters():
+        if p.grad is not None and p.grad.requires_grad:
+            raise RuntimeError(
+                f"parameter {name_of(p)!r} holds a gradient that requires grad (left by "
+                "backward(create_graph=True) or autograd.grad into .grad); ShardedDataParallel reduces plain "
+                "gradients only: call optimizer.zero_grad(set_to_none=True) or detach the gradient first"
+            )

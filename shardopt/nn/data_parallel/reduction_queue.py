@@ -3,7 +3,8 @@ in flight.
 
 ShardedDataParallel creates one :class:`ReductionQueue` from the bucket plan each time it
 (re)builds its hooks (construction, ``refresh_trainable``, ``to``), and hands it where the
-reduced gradients go (a method of the wrapper). In: each local gradient as
+reduced gradients go (:meth:`OwnerGrads.receive
+<shardopt.nn.data_parallel.owner_grads.OwnerGrads.receive>`). In: each local gradient as
 autograd finishes it (:meth:`ReductionQueue.add`), and at the end of backward (or
 ``reduce()``) whatever no hook added (:meth:`ReductionQueue.flush`, which asks a function for
 it). Out: each reduced gradient, handed to ``receive`` as its bucket is finished. The queue launches buckets strictly
@@ -43,7 +44,7 @@ MAX_BYTES_IN_FLIGHT = 2 * 2**23 * 4
 # callbacks. The flush is queued on the backward in which the first gradient of an
 # iteration arrives. If that is a nested one, every bucket is sent when it ends and the
 # rest of the outer backward is reduced in a second round: correct (the owner adds the
-# rounds, Note [owner's gradient across backward passes] in sharded_ddp) but with twice the
+# rounds, Note [owner's gradient across backward passes] in owner_grads) but with twice the
 # bytes. A parameter used in several reentrant checkpoints after the flush was queued on the
 # outer backward gets one gradient per nested backward within one round, after its bucket
 # may have been sent: that is refused with a ValueError naming it, rather than reduced wrongly.
