@@ -52,6 +52,15 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
+def _group_ranges(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], range]]:
+    """Each param group with the indices of its parameters in :attr:`OSS.params` (groups in order)."""
+    ranges, start = [], 0
+    for g in groups:
+        ranges.append((g, range(start, start + len(g["params"]))))
+        start += len(g["params"])
+    return ranges
+
+
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's hyperparameters (everything but ``params``)."""
     return {k: v for k, v in group.items() if k != "params"}
@@ -203,13 +212,10 @@ class OSS(Optimizer):
         """
         sizes, owners = self._partition.sizes, self._partition.owners
         result: list[list[dict[str, Any]]] = [[] for _ in range(self.world_size)]
-        start = 0
-        for g in self.param_groups:
-            indices = range(start, start + len(g["params"]))
+        for g, indices in _group_ranges(self.param_groups):
             for r in range(self.world_size):
                 mine = [p for i, p in zip(indices, g["params"]) if owners[i] == r and sizes[i] > 0]
                 result[r].append({**_hyper(g), "params": mine})
-            start += len(g["params"])
         return result
 
     def refresh_trainable(self) -> None:
@@ -266,12 +272,9 @@ class OSS(Optimizer):
         self._masters.rebuild(params, trainable, {i: old_state[i].pop(MASTER_KEY) for i in trainable
                                                   if MASTER_KEY in old_state.get(i, {})})
         self._index_of = {p: i for i, p in enumerate(params)}
-        shard_groups, start = [], 0
-        for g in self.param_groups:
-            indices = range(start, start + len(g["params"]))
-            shard_groups.append({**_hyper(g), "params": [self._masters.stepped(i, p) for i, p in zip(indices, g["params"])
-                                                         if i in trainable]})
-            start += len(g["params"])
+        shard_groups = [{**_hyper(g), "params": [self._masters.stepped(i, p) for i, p in zip(indices, g["params"])
+                                                 if i in trainable]}
+                        for g, indices in _group_ranges(self.param_groups)]
         # See Note [shard optimizer rebuild].
         self.optim: Optimizer = self._optim_cls(shard_groups, **self._optim_defaults)
         self._parked = {}
@@ -440,10 +443,7 @@ class OSS(Optimizer):
         merged = collect(local, recipient_rank, self.rank, self.world_size, self.group)
         self._consolidated = None
         if merged is not None:
-            groups, start = [], 0
-            for g in self.param_groups:
-                groups.append({**_hyper(g), "params": list(range(start, start + len(g["params"])))})
-                start += len(g["params"])
+            groups = [{**_hyper(g), "params": list(indices)} for g, indices in _group_ranges(self.param_groups)]
             self._consolidated = {"state": merged, "param_groups": groups}
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:  # type: ignore[override]
@@ -592,9 +592,7 @@ class OSS(Optimizer):
             index = int(index_text)
             if index < len(self.params) and self.owns(index):
                 state.setdefault(index, {})[name] = value
-        groups, start = [], 0
-        for group, saved in zip(self.param_groups, param_groups):
-            groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
-            start += len(group["params"])
+        groups = [{**saved, "params": list(indices)}
+                  for (_, indices), saved in zip(_group_ranges(self.param_groups), param_groups)]
         self.load_state_dict({"state": state, "param_groups": groups})
 
