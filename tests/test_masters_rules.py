@@ -65,7 +65,7 @@ def test_no_sync_sums_are_kept_in_fp32_and_free_the_low_precision_grad() -> None
 
 
 def test_a_placeholder_says_whether_the_held_gradient_still_stands() -> None:
-    """Note [placeholders for moved gradients]: untouched -> stands; dropped, zeroed in place
+    """Note [placeholders for moved gradients] in shardopt.placeholders: untouched -> stands; dropped, zeroed in place
     or replaced -> discarded; every check removes the placeholder."""
     from shardopt.placeholders import is_placeholder, leave_placeholder, take_placeholder
 

@@ -542,6 +542,6 @@ def _scratch_released(rank: int, world_size: int) -> list[float]:
 @pytest.mark.skipif(heap_bytes() is None, reason="heap readings need glibc's mallinfo2")
 def test_no_scratch_buffer_outlives_the_step() -> None:
     # Gradient buckets and gathered parameter chunks (up to 16 MiB) are freed when their
-    # transfer completes (Note [release scratch buffers]); the heap after step must not grow.
+    # transfer completes (Note [release scratch buffers] in shardopt.comm); the heap after step must not grow.
     for growth in run_ranks(_scratch_released, 2):
         assert max(growth) < 0.5, growth

@@ -467,7 +467,7 @@ def test_bucket_sizes_0_1_and_huge_with_fp32_and_bf16_params_match_ddp_and_refer
             # the same arithmetic in the same order, bf16 included: exact
             assert max(r[key] for r in results) == 0.0, (key, results)
     assert results[0]["cap=1/buckets"] == 8  # one parameter each
-    # cap 0 ("no buckets") coalesces these small parameters (Note [small parameters share a bucket])
+    # cap 0 ("no buckets") coalesces these small parameters (Note [small parameters share a bucket] in grad_buckets)
     assert results[0]["cap=0/buckets"] == 2
     assert results[0][f"cap={2**40}/buckets"] == 2  # one per dtype
 

@@ -153,8 +153,8 @@ class OSS(Optimizer):
         self._check_same_params_on_all_ranks()
         check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__),
                                 ("master_dtype", str(master_dtype))], group,
-                        "pass the same OSS arguments on every rank")  # Note [agree before the first collective]
-        if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper]
+                        "pass the same OSS arguments on every rank")  # Note [agree before the first collective] in agreement
+        if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper] in clipping
             clipping.register_sharded(self, self.params, "OSS.clip_grad_norm")  # the gradients move to the masters
         elif master_dtype is not None:
             _warn_once("no-masters", f"OSS(master_dtype={master_dtype}): every parameter is already {master_dtype}, "
@@ -181,7 +181,7 @@ class OSS(Optimizer):
 
     @property
     def master_dtype(self) -> torch.dtype | None:
-        """The dtype of the master weights (``None``: no masters; Note [master weights])."""
+        """The dtype of the master weights (``None``: no masters; Note [master weights] in shardopt.optim.masters)."""
         return self._masters.dtype
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -198,7 +198,7 @@ class OSS(Optimizer):
         """Fold every owned parameter's ``.grad`` into its master's fp32 ``.grad`` and free it.
 
         The step does it itself; ``ShardedGradScaler.unscale_`` and :meth:`clip_grad_norm`
-        call it first to work on fp32 gradients (Note [master gradients]). Local: no
+        call it first to work on fp32 gradients (Note [master gradients] in shardopt.optim.masters). Local: no
         collective. Without masters it does nothing.
         """
         self._masters.fold_grads(self.params)
@@ -333,7 +333,7 @@ class OSS(Optimizer):
 
         With masters, the step uses each master's fp32 gradient (owned ``param.grad`` folded in
         first), updates the masters, rounds them into the parameters and frees the masters'
-        gradients (Note [master gradients]).
+        gradients (Note [master gradients] in shardopt.optim.masters).
 
         Args:
             closure: re-evaluates the model and returns the loss (as ``torch.optim``).
@@ -368,7 +368,7 @@ class OSS(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim``'s over every parameter; also frees the masters' gradients
-        whatever ``set_to_none`` says (Note [master gradients]).
+        whatever ``set_to_none`` says (Note [master gradients] in shardopt.optim.masters).
 
         Args:
             set_to_none: drop the parameters' gradients instead of zeroing them.

@@ -91,7 +91,7 @@ class OwnerGrads:
     def keep_local(self, param: nn.Parameter) -> None:
         """Keep ``param``'s local gradient for a later reduction (a backward under ``no_sync``)."""
         self._local_pending.add(param)
-        self._local_sums.keep(param)  # Note [no_sync sums in master precision]
+        self._local_sums.keep(param)  # Note [no_sync sums in master precision] in shardopt.nn.data_parallel.local_sums
         self._local_sums.leave(param, self._master_of(param))
 
     def take_for_bucket(self, param: nn.Parameter) -> torch.Tensor:

@@ -44,8 +44,9 @@ class ShardedDataParallel(nn.Module):
     Wrap the model and give it the :class:`~shardopt.optim.OSS` optimizer(s) over its
     parameters; train as with DDP. During backward each gradient is copied into a bucket
     and freed; a full bucket is sent with one all-to-all that delivers every parameter's
-    gradient to its owner only (Note [reduce to owner]). After backward a rank holds
-    gradients for the parameters it owns and ``OSS.step`` updates and re-gathers them.
+    gradient to its owner only (Note [reduce to owner] in ``grad_buckets``). After backward
+    a rank holds gradients for the parameters it owns and ``OSS.step`` updates and
+    re-gathers them.
     With OSS master weights (``master_dtype``), a low-precision parameter's reduced gradient
     goes to its master's fp32 ``.grad`` on the owner and accumulates there (Note [reduce into
     master gradients]); under ``no_sync`` local sums are kept in fp32 (Note [no_sync sums in
@@ -371,7 +372,8 @@ class ShardedDataParallel(nn.Module):
 
         Args:
             set_to_none: drop the gradients instead of zeroing them (default ``False``, as
-                fairscale's; either is safe, see Note [owner's gradient across backward passes]).
+                fairscale's; either is safe, see Note [owner's gradient across backward
+                passes] in ``owner_grads``).
         """
         self.module.zero_grad(set_to_none=set_to_none)
         self._grads.zero()
