@@ -16,7 +16,8 @@ from shardopt.memory import heap_bytes
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
-from tests.helpers.data import add_to_grads, average_in_rank_order, max_abs_diff, rank_batch, reference_backward, seeded_mlp
+from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.ddp_arithmetic import add_to_grads, average_in_rank_order, reference_backward
 from tests.helpers.sdp import Branchy, rel_diff, tolerance
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)

@@ -17,9 +17,9 @@ from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.placeholders import is_placeholder
 from shardopt.testing import run_ranks
+from tests.helpers.ddp_arithmetic import ddp_reduce
 from tests.helpers.masters import (
     MasterReference,
-    ddp_reduce,
     loss_of,
     low_mlp,
     max_ulps,

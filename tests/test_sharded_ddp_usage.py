@@ -28,7 +28,8 @@ from shardopt import comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
-from tests.helpers.data import add_to_grads, average_in_rank_order, rank_batch, reference_backward, seeded_mlp
+from tests.helpers.data import rank_batch, seeded_mlp
+from tests.helpers.ddp_arithmetic import add_to_grads, average_in_rank_order, reference_backward
 from tests.helpers.sdp import Branchy, rel_diff, tolerance
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
