@@ -5,16 +5,22 @@ DDP multiplies each rank's gradient by ``1 / world_size`` while copying it into 
 (a float scalar, so ``g * (1/N)``, not ``g / N``) and then all-reduces by sum. Every helper
 here does exactly that, summing in rank order: bit-exact against DDP at 2 ranks (``g0*0.5 +
 g1*0.5`` is exact in either order); at 3+ ranks gloo's ring sums in its own order.
+:func:`mixed_reference_step` is the one helper that runs on every rank: the same arithmetic
+in a mixed-precision policy's dtypes, reduced with a collective.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from shardopt import comm
+from shardopt.nn.fsdp import MixedPrecision
 from tests.helpers.data import rank_batch
+from tests.helpers.gpt import lm_loss
 from tests.helpers.oss import loss_fn
 
 
@@ -82,3 +88,22 @@ def ddp_average_grads(
             total[k] = scaled if prev is None else prev + scaled
     for p, g in zip(params, total):
         p.grad = g
+
+
+def mixed_reference_step(master: nn.Module, opt: torch.optim.Optimizer, toks: torch.Tensor, policy: MixedPrecision) -> None:
+    """The same arithmetic without FSDP: compute in param_dtype, g*(1/N) and sum in reduce_dtype."""
+    assert policy.param_dtype is not None
+    low = copy.deepcopy(master).to(policy.param_dtype)
+    lm_loss(low(toks), toks).backward()
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype
+    for p, q in zip(master.parameters(), low.parameters()):
+        assert q.grad is not None
+        g = q.grad.to(reduce_dtype).mul_(1.0 / comm.group_size(None))
+        comm.all_reduce(g, None).wait()
+        if policy.keep_low_precision_grads:
+            p.grad_dtype = None
+            p.grad = g
+        else:
+            p.grad = g.to(p.dtype)
+    opt.step()
+    opt.zero_grad()
