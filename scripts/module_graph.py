@@ -6,13 +6,26 @@ Usage (from the repository root)::
     python scripts/module_graph.py --check    # also exit 1 on a broken rule
     python scripts/module_graph.py --root DIR # another checkout's shardopt/ (e.g. an old commit)
 
-Edges are the ``shardopt`` imports a module executes at import time (imports under
-``if TYPE_CHECKING:`` are listed apart and do not count for cycles or layers). A module's
-layer is 0 when it imports no other shardopt module, else one more than the highest layer
-it imports. The rules ``--check`` enforces: no import cycle, no module over
-``--max-lines`` lines, and the library (everything outside ``shardopt.app``) imports neither
-``shardopt.app`` nor ``rich`` (``shardopt/__main__.py``, the command's entry point for
-``python -m shardopt``, belongs to the application).
+Edges are the ``shardopt`` imports a module executes (imports under ``if TYPE_CHECKING:``
+are listed apart and do not count for cycles or layers; imports inside a function count,
+and are also checked as below). A module's layer is 0 when it imports no other shardopt
+module, else one more than the highest layer it imports.
+
+Each module also belongs to a declared *level* (:data:`LEVELS`: the longest entry naming it
+or a package above it); imports must point down the levels. The rules ``--check`` enforces:
+
+- no import cycle, and no module over ``--max-lines`` lines;
+- no upward arrow: a module imports only modules of a lower level or of its own component
+  (the :data:`LEVELS` entry it belongs to). Importing a module of a higher level, or of
+  another component at the same level (``nn.fsdp`` importing ``nn.data_parallel``), is
+  flagged; a package's ``__init__`` re-exporting its own submodules is not an arrow;
+- every module has a level (a new top-level module or subpackage is added to :data:`LEVELS`);
+- no import inside a function that dodges a cycle: one that, written at the top of its
+  module, would close an import cycle (counting the package ``__init__`` files an import
+  runs first);
+- the library (everything outside ``shardopt.app``) imports neither ``shardopt.app`` nor
+  ``rich`` (``shardopt/__main__.py``, the command's entry point for ``python -m shardopt``,
+  belongs to the application).
 """
 
 from __future__ import annotations
@@ -24,6 +37,25 @@ from pathlib import Path
 
 APP = "shardopt.app"
 ENTRY = "shardopt.__main__"  # ``python -m shardopt``: the application's entry point
+
+# The declared layering, lowest first. A module belongs to the longest entry that is its own
+# name or a package above it (``shardopt`` itself names only the package's ``__init__``).
+LEVELS: dict[str, int] = {
+    # pure helpers, no shardopt imports
+    "shardopt.failures": 0, "shardopt.files": 0, "shardopt.memory": 0, "shardopt.partition": 0,
+    "shardopt.placeholders": 0, "shardopt.state_checks": 0,
+    # the one module of collectives, and the test launcher
+    "shardopt.comm": 1, "shardopt.testing": 1,
+    # what both the optimizers and the wrappers use
+    "shardopt.agreement": 2, "shardopt.checkpoint": 2, "shardopt.clipping": 2,
+    "shardopt.optim": 3,  # ZeRO-1
+    "shardopt.nn": 4,  # what both wrappers share (nn/module_checks.py)
+    "shardopt.nn.data_parallel": 5, "shardopt.nn.fsdp": 5,  # ZeRO-2 and ZeRO-3: neither imports the other
+    "shardopt": 6,  # the package's re-exports
+    "shardopt.integrations": 7,  # Lightning, Hugging Face: above the library
+    "shardopt.app": 8,  # the ``shardopt`` command
+    ENTRY: 9,
+}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -40,25 +72,42 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def imports_of(tree: ast.Module, name: str, is_package: bool, known: set[str]) -> tuple[set[str], set[str]]:
-    """(runtime imports, TYPE_CHECKING-only imports): module names, ``known`` telling the
-    project's modules from names imported out of a package."""
+def component_of(name: str) -> str | None:
+    """The :data:`LEVELS` entry ``name`` belongs to (``None``: undeclared)."""
+    if name == "shardopt":
+        return name
+    parts = name.split(".")
+    for end in range(len(parts), 1, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in LEVELS and prefix != "shardopt":
+            return prefix
+    return None
+
+
+def imports_of(
+    tree: ast.Module, name: str, is_package: bool, known: set[str]
+) -> tuple[set[str], set[str], set[str]]:
+    """(runtime imports, TYPE_CHECKING-only imports, imports inside a function): module
+    names, ``known`` telling the project's modules from names imported out of a package. The
+    third set is a subset of the first."""
     runtime: set[str] = set()
     typing_only: set[str] = set()
+    deferred: set[str] = set()
 
-    def visit(node: ast.AST, into: set[str]) -> None:
+    def visit(node: ast.AST, into: set[str], in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child):
                 for grandchild in child.body:
-                    visit_stmt(grandchild, typing_only)
+                    visit_stmt(grandchild, typing_only, in_function)
                 for grandchild in child.orelse:
-                    visit_stmt(grandchild, into)
+                    visit_stmt(grandchild, into, in_function)
             else:
-                visit_stmt(child, into)
+                visit_stmt(child, into, in_function)
 
-    def visit_stmt(node: ast.AST, into: set[str]) -> None:
+    def visit_stmt(node: ast.AST, into: set[str], in_function: bool) -> None:
+        found: set[str] = set()
         if isinstance(node, ast.Import):
-            into.update(alias.name for alias in node.names)
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -68,16 +117,23 @@ def imports_of(tree: ast.Module, name: str, is_package: bool, known: set[str]) -
                 base = f"{package}.{base}" if base else package
             for alias in node.names:
                 # ``from pkg import mod`` depends on pkg.mod; ``from pkg import name`` on pkg
-                into.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
         else:
-            visit(node, into)
+            inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            visit(node, into, inner)
+        into.update(found)
+        if in_function and into is runtime:
+            deferred.update(found)
 
-    visit(tree, runtime)
-    return runtime, typing_only
+    visit(tree, runtime, False)
+    return runtime, typing_only, deferred
 
 
-def build(root: Path) -> tuple[dict[str, int], dict[str, set[str]], dict[str, set[str]], dict[str, set[str]]]:
-    """Line counts, runtime edges, TYPE_CHECKING edges and third-party imports per module."""
+def build(
+    root: Path,
+) -> tuple[dict[str, int], dict[str, set[str]], dict[str, set[str]], dict[str, set[str]], dict[str, set[str]]]:
+    """Line counts, runtime edges, TYPE_CHECKING edges, third-party imports and the runtime
+    edges made by imports inside functions, per module."""
     lines: dict[str, int] = {}
     trees: dict[str, tuple[ast.Module, bool]] = {}
     for path in sorted(root.rglob("*.py")):
@@ -88,13 +144,66 @@ def build(root: Path) -> tuple[dict[str, int], dict[str, set[str]], dict[str, se
     edges: dict[str, set[str]] = {}
     typing_edges: dict[str, set[str]] = {}
     external: dict[str, set[str]] = {}
+    deferred_edges: dict[str, set[str]] = {}
     for name, (tree, is_package) in trees.items():
-        runtime, typing_only = imports_of(tree, name, is_package, set(lines))
+        runtime, typing_only, deferred = imports_of(tree, name, is_package, set(lines))
         # importing a submodule runs its parent packages first; that is not a design edge
         edges[name] = {m for m in runtime if m in lines and m != name and not name.startswith(m + ".")}
         typing_edges[name] = {m for m in typing_only if m in lines and m != name} - edges[name]
         external[name] = {m.split(".")[0] for m in runtime if not m.startswith("shardopt")}
-    return lines, edges, typing_edges, external
+        deferred_edges[name] = {m for m in deferred if m in lines and m != name}
+    return lines, edges, typing_edges, external, deferred_edges
+
+
+def upward_arrows(edges: dict[str, set[str]]) -> list[str]:
+    """Edges that point up :data:`LEVELS` or sideways into another component of the same
+    level, and modules with no declared level."""
+    found: list[str] = []
+    for name in sorted(edges):
+        mine = component_of(name)
+        if mine is None:
+            found.append(f"{name} has no level: add it (or its package) to LEVELS in scripts/module_graph.py")
+            continue
+        for dep in sorted(edges[name]):
+            theirs = component_of(dep)
+            if theirs is None or theirs == mine or dep.startswith(name + "."):
+                continue  # undeclared (reported above), same component, or a package re-exporting its own
+            if LEVELS[theirs] > LEVELS[mine]:
+                found.append(f"upward arrow: {name} (level {LEVELS[mine]}) imports {dep} (level {LEVELS[theirs]})")
+            elif LEVELS[theirs] == LEVELS[mine]:
+                found.append(f"sideways arrow: {name} ({mine}) imports {dep} of {theirs}, at the same level "
+                             f"{LEVELS[mine]}: move what both need below both")
+    return found
+
+
+def _runs_first(target: str, importer: str, lines: dict[str, int]) -> list[str]:
+    """What ``importer`` importing ``target`` runs: the packages above ``target`` not already
+    running (those above ``importer``), then ``target``."""
+    parts = target.split(".")
+    ancestors = [".".join(parts[:end]) for end in range(1, len(parts))]
+    return [a for a in ancestors if a in lines and not importer.startswith(a + ".") and a != importer] + [target]
+
+
+def dodged_cycles(lines: dict[str, int], edges: dict[str, set[str]], deferred: dict[str, set[str]]) -> list[str]:
+    """Imports inside a function that would close an import cycle if written at the top of
+    their module (package ``__init__`` files that an import runs first included)."""
+    at_import: dict[str, set[str]] = {
+        name: {m for dep in edges[name] - deferred[name] for m in _runs_first(dep, name, lines)} for name in edges
+    }
+    found: list[str] = []
+    for name in sorted(deferred):
+        for dep in sorted(deferred[name]):
+            stack, seen = list(_runs_first(dep, name, lines)), set()
+            while stack:
+                v = stack.pop()
+                if v == name:
+                    found.append(f"{name} imports {dep} inside a function, dodging an import cycle "
+                                 f"({dep} leads back to {name} at import time): move what both need below both")
+                    break
+                if v not in seen:
+                    seen.add(v)
+                    stack.extend(at_import.get(v, ()))
+    return found
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -155,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-lines", type=int, default=600)
     parser.add_argument("--edges", action="store_true", help="also print every import edge")
     args = parser.parse_args(argv)
-    lines, edges, typing_edges, external = build(args.root)
+    lines, edges, typing_edges, external, deferred = build(args.root)
     layer = layers(edges)
     n_edges = sum(len(e) for e in edges.values())
     found = cycles(edges)
@@ -169,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layer[name]:>5}  {lines[name]:>5}  {name}" + (f"  <- {deps}" if deps and args.edges else ""))
     problems = [f"import cycle: {' -> '.join(c)}" for c in found]
     problems += [f"{m} has {n} lines (more than {args.max_lines})" for m, n in lines.items() if n > args.max_lines]
+    problems += upward_arrows(edges)
+    problems += dodged_cycles(lines, edges, deferred)
     for name in lines:
         if name == APP or name.startswith(APP + ".") or name == ENTRY:
             continue

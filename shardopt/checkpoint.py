@@ -299,7 +299,7 @@ def load_consolidated(
 
     Every rank reads the file; a :class:`ShardedOptimizer` keeps the state of the
     parameters it owns under the current world size, whatever the world size that saved
-    it. Everything is checked before anything changes (Note [checkpoint integrity]):
+    it. Everything is checked before anything changes (Note [checkpoint integrity] in shardopt.state_checks):
     checksums, parameter names and shapes, optimizer group sizes and state shapes. Files
     of the older formats ``/1`` (no checksums) and ``/2`` load too.
 
@@ -392,8 +392,8 @@ def save_sharded(
     OSS includes the parked state of frozen parameters) go to ``dcp.save`` in a hidden
     staging folder next to ``path``, where every rank writes only what it holds and
     replicated tensors are written once; non-tensor values, hyperparameters, group sizes,
-    checksums (Note [checkpoint integrity]) and ``extra`` go to a metadata file; then rank 0
-    swaps the finished folder in (Note [sharded save staging]). A failed or killed save
+    checksums (Note [checkpoint integrity] in shardopt.state_checks) and ``extra`` go to a metadata file; then rank 0
+    swaps the finished folder in (Note [sharded save staging] in shardopt.files). A failed or killed save
     leaves the previous ``path`` untouched and no staging folder behind once the next save
     has run.
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from shardopt.placeholders import is_placeholder
+
 __all__ = ["register_sharded", "unregister"]
 
 # id(param) -> (weak reference to it, weak reference to the wrapper that shards it, what to
@@ -117,9 +119,7 @@ def _install() -> None:
                     UserWarning, stacklevel=2,
                 )
         # A placeholder for a gradient held as an fp32 master gradient reads as zeros and
-        # cannot be scaled in place (Note [placeholders for moved gradients]).
-        from shardopt.optim.masters import is_placeholder
-
+        # cannot be scaled in place (Note [placeholders for moved gradients] in shardopt.placeholders).
         return original([p for p in params if not is_placeholder(p)], max_norm, *args, **kwargs)
 
     _original, _patched = original, clip_grad_norm_

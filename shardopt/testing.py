@@ -122,7 +122,7 @@ def _rank_main(rank: int, job: _RankJob, results: Any) -> None:
         try:
             value = job.fn(rank, job.world_size, *job.args)
         except BaseException as exc:
-            # Peers blocked in a shardopt collective end with this reason (Note [failure board]).
+            # Peers blocked in a shardopt collective end with this reason (Note [failure board] in shardopt.failures).
             report_failure(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
             raise
         finally:

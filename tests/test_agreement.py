@@ -1,8 +1,8 @@
 """Ranks that disagree on what shapes the collectives are refused at construction on every
-rank, naming the first difference (Note [agree before the first collective]); arguments that
+rank, naming the first difference (Note [agree before the first collective] in shardopt.agreement); arguments that
 would silently ruin training are refused; torch's clip_grad_norm_ over sharded gradients
 warns while a wrapper lives, and torch's own function is back once the last one is closed or
-collected (Note [clipping that bypasses the wrapper])."""
+collected (Note [clipping that bypasses the wrapper] in shardopt.clipping)."""
 
 from __future__ import annotations
 

@@ -23,11 +23,10 @@ from shardopt.app.bench import merge_rounds
 from shardopt.app.cli import main
 from shardopt.app.launch import run_launched
 from shardopt.app.models import PRESETS
+from tests.helpers.cli import TINY, assert_one_line_errors as _assert_one_line_errors
 from tests.helpers.processes import REPO, session_processes as _session_processes
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
-
-TINY = ["--model", "tiny", "--batch-size", "2", "--threads-per-rank", "1"]
 
 
 def _json(path: Any) -> dict[str, Any]:
@@ -101,16 +100,6 @@ def test_bad_arguments_end_in_one_line_and_exit_code_2(monkeypatch: pytest.Monke
     monkeypatch.delattr(shardopt.nn.fsdp, "FullyShardedDataParallel")  # a shardopt build without ZeRO-3
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
     _assert_one_line_errors(BAD_ARGUMENTS, capsys)
-
-
-def _assert_one_line_errors(cases: list[tuple[list[str], str]], capsys: pytest.CaptureFixture[str]) -> None:
-    for argv, expected in cases:
-        with pytest.raises(SystemExit) as exc:
-            main(argv)
-        err = capsys.readouterr().err
-        assert exc.value.code == 2, (argv, err)
-        assert err.count("\n") == 1 and err.startswith(f"shardopt {argv[0]}: error: "), (argv, err)
-        assert expected in err, (argv, err)
 
 
 HUGE = "1" + "0" * 30

@@ -17,7 +17,7 @@ from shardopt.app.launch import run_launched
 from shardopt.app.modes import MODES, bench_names, resolve
 from shardopt.app.precision import Precision
 from shardopt.app.runner import TrainJob
-from tests.test_cli import TINY, _assert_one_line_errors
+from tests.helpers.cli import TINY, assert_one_line_errors as _assert_one_line_errors
 
 MIXED = ["ddp-bf16", "zero1-bf16m", "zero2-bf16m", "zero2-bf16m-bf16reduce"]
 

@@ -1,7 +1,7 @@
 """shardopt.comm's point-to-point paths on gloo give exactly what torch's collectives give.
 
 On gloo, ``all_gather_into``, ``all_to_all`` and ``all_to_all_pieces`` post one send and one receive per peer
-(Note [gloo point to point]); this runs each with the point-to-point path and with torch's
+(Note [gloo point to point] in shardopt.comm); this runs each with the point-to-point path and with torch's
 own collective on the same inputs (uneven and zero splits, in-place gathers, several in
 flight, bf16, a subgroup) and compares bit for bit, at 2, 3 and 4 ranks.
 """
@@ -132,7 +132,7 @@ def _late_peers(rank: int, world_size: int) -> list[float]:
 
 def test_a_peer_arriving_seconds_late_is_waited_for_not_an_error() -> None:
     # Before, a gloo point-to-point wait sliced with a timeout closed the TCP pair when the
-    # slice ran out: any peer over 0.5 s late failed the collective (Note [waiting beside the work]).
+    # slice ran out: any peer over 0.5 s late failed the collective (Note [waiting beside the work] in shardopt.comm).
     world_size = 3
     gather = 4 * sum(range(world_size))
     to_all = 3 * sum(r + 1 for r in range(world_size))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import copy
 from pathlib import Path
 
 import torch
@@ -13,35 +12,16 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from shardopt import comm
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import MixedPrecision, ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.ddp_arithmetic import mixed_reference_step as _reference_step
 from tests.helpers.gpt import Block, gpt, lm_loss, tokens
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 BLOCKS = ModuleClassPolicy((Block,))
-
-
-def _reference_step(master: nn.Module, opt: torch.optim.Optimizer, toks: torch.Tensor, policy: MixedPrecision) -> None:
-    """The same arithmetic without FSDP: compute in param_dtype, g*(1/N) and sum in reduce_dtype."""
-    assert policy.param_dtype is not None
-    low = copy.deepcopy(master).to(policy.param_dtype)
-    lm_loss(low(toks), toks).backward()
-    reduce_dtype = policy.reduce_dtype or policy.param_dtype
-    for p, q in zip(master.parameters(), low.parameters()):
-        assert q.grad is not None
-        g = q.grad.to(reduce_dtype).mul_(1.0 / comm.group_size(None))
-        comm.all_reduce(g, None).wait()
-        if policy.keep_low_precision_grads:
-            p.grad_dtype = None
-            p.grad = g
-        else:
-            p.grad = g.to(p.dtype)
-    opt.step()
-    opt.zero_grad()
 
 
 def _mixed(rank: int, world_size: int) -> dict[str, float]:

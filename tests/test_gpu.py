@@ -24,8 +24,8 @@ from shardopt.optim import OSS
 from shardopt.optim.grad_scaler import ShardedGradScaler
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.ddp_arithmetic import mixed_reference_step as _reference_step
 from tests.helpers.gpt import Block, gpt, lm_loss, tokens
-from tests.test_fsdp_mixed import _reference_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 

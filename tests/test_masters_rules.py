@@ -65,9 +65,9 @@ def test_no_sync_sums_are_kept_in_fp32_and_free_the_low_precision_grad() -> None
 
 
 def test_a_placeholder_says_whether_the_held_gradient_still_stands() -> None:
-    """Note [placeholders for moved gradients]: untouched -> stands; dropped, zeroed in place
+    """Note [placeholders for moved gradients] in shardopt.placeholders: untouched -> stands; dropped, zeroed in place
     or replaced -> discarded; every check removes the placeholder."""
-    from shardopt.optim.masters import is_placeholder, leave_placeholder, take_placeholder
+    from shardopt.placeholders import is_placeholder, leave_placeholder, take_placeholder
 
     p = nn.Parameter(torch.ones(3, 4, dtype=BF16))
     assert take_placeholder(p)  # nothing left: nothing to say
@@ -90,7 +90,7 @@ def test_a_placeholder_says_whether_the_held_gradient_still_stands() -> None:
 
 def test_torch_clip_grad_norm_skips_placeholders() -> None:
     from shardopt import clipping
-    from shardopt.optim.masters import leave_placeholder
+    from shardopt.placeholders import leave_placeholder
 
     p, q = nn.Parameter(torch.ones(4, dtype=BF16)), nn.Parameter(torch.ones(4, dtype=BF16))
     holder = nn.Linear(1, 1)

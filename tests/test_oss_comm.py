@@ -81,7 +81,7 @@ def _owner_values_everywhere(opt: OSS, model: nn.Module, fp16: bool) -> float:
 def _sync_bytes(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with count_transfers() as calls:
-        # direct: every 256 KiB matrix moves owner -> peers (Note [direct parameter transfers]);
+        # direct: every 256 KiB matrix moves owner -> peers (Note [direct parameter transfers] in param_gather);
         # streams: the same matrices packed (direct transfers off); fp16: packed, half the bytes.
         for wire, fp16, direct_min in (("direct", False, None), ("streams", False, 2**40), ("fp16", True, None)):
             model = _wide_model()

@@ -22,9 +22,9 @@ from shardopt import checkpoint, comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
+from tests.helpers.ddp_arithmetic import ddp_reduce
 from tests.helpers.masters import (
     MasterReference,
-    ddp_reduce,
     loss_of,
     low_mlp,
     max_ulps,

@@ -30,7 +30,8 @@ from torch.optim.lr_scheduler import StepLR
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
 from tests.helpers.data import rank_batch, seeded_mlp
-from tests.helpers.oss import ddp_average_grads, loss_fn, mixed_mlp, relative_diff
+from tests.helpers.ddp_arithmetic import ddp_average_grads
+from tests.helpers.oss import loss_fn, mixed_mlp, relative_diff
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 

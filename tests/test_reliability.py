@@ -1,6 +1,6 @@
 """Cross-rank failures end every rank within seconds with an error naming the rank and the
 shardopt operation (Note [failure board] in shardopt.failures), and the debug mode names the
-first collective that diverged (Note [collective sequence check]).
+first collective that diverged (Note [collective sequence check] in shardopt.failures).
 
 Each scenario runs real processes on gloo with a group timeout far above the bound asserted,
 so a pass shows the board ended the wait, not the timeout. The surviving rank writes what

@@ -16,7 +16,8 @@ from shardopt.memory import heap_bytes
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
-from tests.helpers.data import add_to_grads, average_in_rank_order, max_abs_diff, rank_batch, reference_backward, seeded_mlp
+from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.ddp_arithmetic import add_to_grads, average_in_rank_order, reference_backward
 from tests.helpers.sdp import Branchy, rel_diff, tolerance
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -184,14 +185,14 @@ def _memory(rank: int, world_size: int) -> dict[str, Any]:
     sdp(rank_batch(rank, 0)).pow(2).mean().backward()
     owned = {p for i, p in enumerate(opt.params) if opt.owns(i)}
     grads_ok = all((p.grad is not None) == (p in owned) for p in model.parameters())
-    multi = [b.spec for b in sdp._buckets if len(b.spec.params) > 1]
+    multi = [b.spec for b in sdp.reduction_buckets if len(b.spec.params) > 1]
     largest_single = max(p.numel() for p in model.parameters())
     return {
         "grads_only_on_owner": grads_ok,
-        "buffers_released": all(b.state.name == "EMPTY" and b._send is None for b in sdp._buckets),
+        "buffers_released": all(b.state.name == "EMPTY" and not b.holds_buffers for b in sdp.reduction_buckets),
         "multi_param_buckets_within_cap": all(s.numel - len(s.params) <= cap for s in multi),
         "every_bucket_within_cap_or_single": all(
-            s.numel - len(s.params) <= max(cap, largest_single) for s in (b.spec for b in sdp._buckets)
+            s.numel - len(s.params) <= max(cap, largest_single) for s in (b.spec for b in sdp.reduction_buckets)
         ),
         "owned_grad_elems": sum(p.numel() for p in owned),
         "all_elems": sum(p.numel() for p in model.parameters()),
@@ -542,6 +543,6 @@ def _scratch_released(rank: int, world_size: int) -> list[float]:
 @pytest.mark.skipif(heap_bytes() is None, reason="heap readings need glibc's mallinfo2")
 def test_no_scratch_buffer_outlives_the_step() -> None:
     # Gradient buckets and gathered parameter chunks (up to 16 MiB) are freed when their
-    # transfer completes (Note [release scratch buffers]); the heap after step must not grow.
+    # transfer completes (Note [release scratch buffers] in shardopt.comm); the heap after step must not grow.
     for growth in run_ranks(_scratch_released, 2):
         assert max(growth) < 0.5, growth

@@ -15,11 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
-from shardopt.optim.masters import is_placeholder
+from shardopt.placeholders import is_placeholder
 from shardopt.testing import run_ranks
+from tests.helpers.ddp_arithmetic import ddp_reduce
 from tests.helpers.masters import (
     MasterReference,
-    ddp_reduce,
     loss_of,
     low_mlp,
     max_ulps,
@@ -113,7 +113,7 @@ def _accumulation(rank: int, world_size: int) -> dict[str, Any]:
                 else:
                     with sdp.no_sync():
                         loss_of(sdp, rank, 10 * step + micro).backward()
-                    # the local sum is fp32 and .grad is freed (Note [no_sync sums in master precision])
+                    # the local sum is fp32 and .grad is freed (Note [no_sync sums in master precision] in local_sums)
                     local_sums_ok &= all(is_placeholder(p) for p in model.parameters())
                 grads = [ref.local_grads(lambda m, r=r, s=10 * step + micro: loss_of(m, r, s))
                          for r in range(world_size)]

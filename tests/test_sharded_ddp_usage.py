@@ -28,7 +28,8 @@ from shardopt import comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
-from tests.helpers.data import add_to_grads, average_in_rank_order, rank_batch, reference_backward, seeded_mlp
+from tests.helpers.data import rank_batch, seeded_mlp
+from tests.helpers.ddp_arithmetic import add_to_grads, average_in_rank_order, reference_backward
 from tests.helpers.sdp import Branchy, rel_diff, tolerance
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -439,8 +440,8 @@ def _buckets_and_dtypes(rank: int, world_size: int) -> dict[str, Any]:
         sdp = ShardedDataParallel(sharded, opt, reduce_buffer_size=cap)
         results[f"cap={cap}/single_dtype_buckets"] = all(
             len({p.dtype for p in b.spec.params}) == 1 and b.spec.wire_dtype == b.spec.params[0].dtype
-            for b in sdp._buckets)
-        results[f"cap={cap}/buckets"] = len(sdp._buckets)
+            for b in sdp.reduction_buckets)
+        results[f"cap={cap}/buckets"] = len(sdp.reduction_buckets)
         for step in range(5):
             x = rank_batch(rank, step)
             for m, o in ((sdp, opt), (ddp, ddp_opt)):
@@ -467,7 +468,7 @@ def test_bucket_sizes_0_1_and_huge_with_fp32_and_bf16_params_match_ddp_and_refer
             # the same arithmetic in the same order, bf16 included: exact
             assert max(r[key] for r in results) == 0.0, (key, results)
     assert results[0]["cap=1/buckets"] == 8  # one parameter each
-    # cap 0 ("no buckets") coalesces these small parameters (Note [small parameters share a bucket])
+    # cap 0 ("no buckets") coalesces these small parameters (Note [small parameters share a bucket] in grad_buckets)
     assert results[0]["cap=0/buckets"] == 2
     assert results[0][f"cap={2**40}/buckets"] == 2  # one per dtype
 
@@ -645,7 +646,7 @@ def _recipes(rank: int, world_size: int) -> dict[str, float]:
         opt.step()
         ref_opt.step()
     results["tied_across_reentrant_checkpoint"] = rel_diff(sharded, ref)
-    results["tied_across_reentrant_checkpoint/reduction_rounds"] = len(calls) / len(sdp._buckets)
+    results["tied_across_reentrant_checkpoint/reduction_rounds"] = len(calls) / len(sdp.reduction_buckets)
 
     # 1b. A layer shared by two non-reentrant checkpoints (reentrant ones are refused).
     ref_s, sharded_s = SharedLayers(use_reentrant=False), SharedLayers(use_reentrant=False)

@@ -41,7 +41,7 @@ def under_torchrun() -> bool:
 # fork did without inheriting anyone's threads. spawn is the fallback off Linux or once CUDA
 # is initialised here.
 # shardopt.app.lifeline comes first: importing it in the fork server ties the server's life to
-# this process's (Note [no orphans]) before the slow imports.
+# this process's (Note [no orphans] in shardopt.app.lifeline) before the slow imports.
 _PRELOAD = ["shardopt.app.lifeline", "torch", "torch._dynamo", "shardopt.app.runner", "shardopt.app.bench"]
 
 

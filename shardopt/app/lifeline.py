@@ -1,7 +1,7 @@
 """The fork server and the ranks of ``shardopt demo``/``bench`` die with the launcher that started them.
 
 Note [no orphans]
-Ranks come from a fork server (Note [forkserver, not fork] in :mod:`shardopt.app.cli`), a child
+Ranks come from a fork server (Note [forkserver, not fork] in :mod:`shardopt.app.launch`), a child
 of the launcher, and the ranks are its children. Ctrl-C reaches all of them (one process
 group), but when only the launcher dies (the OOM killer's SIGKILL, ``kill -9``) the fork
 server does not notice, and the ranks train on as orphans, holding memory and cores. So:

@@ -291,7 +291,7 @@ def _resume(job: TrainJob, wrapped: Wrapped, scaler: Any | None) -> int:
         extra = checkpoint.load_sharded(path, wrapped.checkpoint_target, wrapped.optimizer)
     else:
         # The model and extra through load_consolidated; the optimizer state (saved in either
-        # of two layouts, Note [two consolidated optimizer layouts]) through the mode.
+        # of two layouts, Note [two consolidated optimizer layouts] in shardopt.app.modes) through the mode.
         extra = checkpoint.load_consolidated(path, wrapped.checkpoint_target, None)
         optim_state = torch.load(path, map_location="cpu", weights_only=True)["optimizer"]
         if optim_state is not None:
@@ -347,7 +347,7 @@ def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> l
     try:
         return _train(job, on_step)
     except BaseException as exc:
-        # The other ranks' collectives end naming this rank and why (Note [failure board]).
+        # The other ranks' collectives end naming this rank and why (Note [failure board] in shardopt.failures).
         comm.report_failure(f"{type(exc).__name__}: {exc}".splitlines()[0])
         raise
 

@@ -32,21 +32,6 @@ low-precision gradient for its parameters. After the step every master's gradien
 as DeepSpeed frees its fp32 gradient partition; ``OSS.zero_grad`` frees them too, whatever
 ``set_to_none`` says (a freed gradient adds exactly as zeros would).
 
-Note [placeholders for moved gradients]
-Under ShardedDataParallel a low-precision parameter's gradient leaves ``param.grad`` before
-the step: on its owner the reduced sum goes into the master's fp32 ``.grad``, and under
-``no_sync`` every rank's local sum goes into an fp32 tensor of its own. ``model.zero_grad()``
-walks ``param.grad`` only, so by itself it would not see either, and a later step would add
-gradients the user had discarded. So where such a gradient is held elsewhere, a placeholder
-is left in ``param.grad``: zeros of the parameter's shape expanded from one element (2
-bytes). Before the held gradient is used or added to (the next backward reaching the
-parameter, the reduction, the step), the placeholder is checked: still there and untouched,
-the held gradient stands and the placeholder is removed; gone (``zero_grad(set_to_none=True)``)
-or zeroed in place (``set_to_none=False``, its version counter moved), the held gradient is
-dropped, as a zeroed ``.grad`` would have been; a new tensor there is a new local gradient.
-A placeholder reads as a zero gradient, and shardopt's ``clip_grad_norm_`` wrapper (Note
-[clipping that bypasses the wrapper]) skips it.
-
 Note [masters follow outside writes]
 A master is the truth for its parameter, so a write to the parameter that the optimizer does
 not see (``model.load_state_dict`` after the optimizer was built, ShardedDataParallel's
@@ -68,52 +53,14 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
+from shardopt.placeholders import is_placeholder, leave_placeholder, take_placeholder
 from shardopt.state_checks import MASTER_KEY
 
 __all__ = ["MASTER_KEY", "MasterWeights", "check_master_dtype", "is_placeholder", "leave_placeholder", "needs_master",
            "take_placeholder"]
 
 logger = logging.getLogger(__name__)
-
-# param -> (the placeholder left in its .grad, that placeholder's version when left)
-_placeholders = WeakIdKeyDictionary()
-
-
-def leave_placeholder(param: torch.Tensor) -> None:
-    """Put a 2-byte zero placeholder in ``param.grad``: its gradient is held elsewhere
-    (Note [placeholders for moved gradients])."""
-    held: tuple[torch.Tensor, int] | None = _placeholders.get(param)
-    if held is not None and param.grad is held[0] and held[0]._version == held[1]:
-        return  # one placeholder stands for everything held for the parameter
-    placeholder = torch.zeros((), dtype=param.dtype, device=param.device).expand_as(param)
-    param.grad = placeholder
-    _placeholders[param] = (placeholder, placeholder._version)
-
-
-def take_placeholder(param: torch.Tensor) -> bool:
-    """Remove ``param``'s placeholder and say whether what is held for it still stands.
-
-    Returns:
-        ``True`` when no placeholder was left, or it is still in ``param.grad`` untouched;
-        ``False`` when it was dropped, zeroed or replaced (the held gradient was discarded).
-        A placeholder still in ``param.grad`` (even zeroed) is replaced by ``None``.
-    """
-    held: tuple[torch.Tensor, int] | None = _placeholders.pop(param, None)
-    if held is None:
-        return True
-    placeholder, version = held
-    if param.grad is placeholder:
-        param.grad = None
-        return placeholder._version == version
-    return False
-
-
-def is_placeholder(param: torch.Tensor) -> bool:
-    """Whether ``param.grad`` is a placeholder (Note [placeholders for moved gradients])."""
-    held = _placeholders.get(param)
-    return held is not None and param.grad is held[0]
 
 
 def needs_master(param_dtype: torch.dtype, master_dtype: torch.dtype | None) -> bool:
@@ -246,7 +193,7 @@ class MasterWeights:
         (Note [master gradients])."""
         for i, master in self._masters.items():
             p = params[i]
-            if not take_placeholder(p):  # Note [placeholders for moved gradients]
+            if not take_placeholder(p):  # Note [placeholders for moved gradients] in shardopt.placeholders
                 master.grad = None
             grad = p.grad
             if grad is None:

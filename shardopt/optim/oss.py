@@ -52,6 +52,15 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
+def _group_ranges(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], range]]:
+    """Each param group with the indices of its parameters in :attr:`OSS.params` (groups in order)."""
+    ranges, start = [], 0
+    for g in groups:
+        ranges.append((g, range(start, start + len(g["params"]))))
+        start += len(g["params"])
+    return ranges
+
+
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's hyperparameters (everything but ``params``)."""
     return {k: v for k, v in group.items() if k != "params"}
@@ -144,8 +153,8 @@ class OSS(Optimizer):
         self._check_same_params_on_all_ranks()
         check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__),
                                 ("master_dtype", str(master_dtype))], group,
-                        "pass the same OSS arguments on every rank")  # Note [agree before the first collective]
-        if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper]
+                        "pass the same OSS arguments on every rank")  # Note [agree before the first collective] in agreement
+        if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper] in clipping
             clipping.register_sharded(self, self.params, "OSS.clip_grad_norm")  # the gradients move to the masters
         elif master_dtype is not None:
             _warn_once("no-masters", f"OSS(master_dtype={master_dtype}): every parameter is already {master_dtype}, "
@@ -172,7 +181,7 @@ class OSS(Optimizer):
 
     @property
     def master_dtype(self) -> torch.dtype | None:
-        """The dtype of the master weights (``None``: no masters; Note [master weights])."""
+        """The dtype of the master weights (``None``: no masters; Note [master weights] in shardopt.optim.masters)."""
         return self._masters.dtype
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -189,7 +198,7 @@ class OSS(Optimizer):
         """Fold every owned parameter's ``.grad`` into its master's fp32 ``.grad`` and free it.
 
         The step does it itself; ``ShardedGradScaler.unscale_`` and :meth:`clip_grad_norm`
-        call it first to work on fp32 gradients (Note [master gradients]). Local: no
+        call it first to work on fp32 gradients (Note [master gradients] in shardopt.optim.masters). Local: no
         collective. Without masters it does nothing.
         """
         self._masters.fold_grads(self.params)
@@ -203,13 +212,10 @@ class OSS(Optimizer):
         """
         sizes, owners = self._partition.sizes, self._partition.owners
         result: list[list[dict[str, Any]]] = [[] for _ in range(self.world_size)]
-        start = 0
-        for g in self.param_groups:
-            indices = range(start, start + len(g["params"]))
+        for g, indices in _group_ranges(self.param_groups):
             for r in range(self.world_size):
                 mine = [p for i, p in zip(indices, g["params"]) if owners[i] == r and sizes[i] > 0]
                 result[r].append({**_hyper(g), "params": mine})
-            start += len(g["params"])
         return result
 
     def refresh_trainable(self) -> None:
@@ -266,12 +272,9 @@ class OSS(Optimizer):
         self._masters.rebuild(params, trainable, {i: old_state[i].pop(MASTER_KEY) for i in trainable
                                                   if MASTER_KEY in old_state.get(i, {})})
         self._index_of = {p: i for i, p in enumerate(params)}
-        shard_groups, start = [], 0
-        for g in self.param_groups:
-            indices = range(start, start + len(g["params"]))
-            shard_groups.append({**_hyper(g), "params": [self._masters.stepped(i, p) for i, p in zip(indices, g["params"])
-                                                         if i in trainable]})
-            start += len(g["params"])
+        shard_groups = [{**_hyper(g), "params": [self._masters.stepped(i, p) for i, p in zip(indices, g["params"])
+                                                 if i in trainable]}
+                        for g, indices in _group_ranges(self.param_groups)]
         # See Note [shard optimizer rebuild].
         self.optim: Optimizer = self._optim_cls(shard_groups, **self._optim_defaults)
         self._parked = {}
@@ -330,7 +333,7 @@ class OSS(Optimizer):
 
         With masters, the step uses each master's fp32 gradient (owned ``param.grad`` folded in
         first), updates the masters, rounds them into the parameters and frees the masters'
-        gradients (Note [master gradients]).
+        gradients (Note [master gradients] in shardopt.optim.masters).
 
         Args:
             closure: re-evaluates the model and returns the loss (as ``torch.optim``).
@@ -365,7 +368,7 @@ class OSS(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim``'s over every parameter; also frees the masters' gradients
-        whatever ``set_to_none`` says (Note [master gradients]).
+        whatever ``set_to_none`` says (Note [master gradients] in shardopt.optim.masters).
 
         Args:
             set_to_none: drop the parameters' gradients instead of zeroing them.
@@ -440,10 +443,7 @@ class OSS(Optimizer):
         merged = collect(local, recipient_rank, self.rank, self.world_size, self.group)
         self._consolidated = None
         if merged is not None:
-            groups, start = [], 0
-            for g in self.param_groups:
-                groups.append({**_hyper(g), "params": list(range(start, start + len(g["params"])))})
-                start += len(g["params"])
+            groups = [{**_hyper(g), "params": list(indices)} for g, indices in _group_ranges(self.param_groups)]
             self._consolidated = {"state": merged, "param_groups": groups}
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:  # type: ignore[override]
@@ -592,9 +592,7 @@ class OSS(Optimizer):
             index = int(index_text)
             if index < len(self.params) and self.owns(index):
                 state.setdefault(index, {})[name] = value
-        groups, start = [], 0
-        for group, saved in zip(self.param_groups, param_groups):
-            groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
-            start += len(group["params"])
+        groups = [{**saved, "params": list(indices)}
+                  for (_, indices), saved in zip(_group_ranges(self.param_groups), param_groups)]
         self.load_state_dict({"state": state, "param_groups": groups})
 

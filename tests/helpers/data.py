@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -28,29 +28,3 @@ def max_abs_diff(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:
                default=0.0)
 
 
-def average_in_rank_order(per_rank: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
-    """DDP's arithmetic in one process: each rank's gradient times 1/N, summed in rank order
-    (``None`` where no rank had a gradient)."""
-    world_size = len(per_rank)
-    total: list[torch.Tensor | None] = [None] * len(per_rank[0])
-    for grads in per_rank:
-        for i, g in enumerate(grads):
-            if g is not None:
-                scaled = g * (1.0 / world_size)
-                total[i] = scaled if total[i] is None else total[i] + scaled  # type: ignore[operator]
-    return total
-
-
-def add_to_grads(params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-    """Accumulate into ``.grad`` as autograd would; ``None`` leaves a parameter untouched."""
-    for p, g in zip(params, grads, strict=True):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
-
-
-def reference_backward(model: nn.Module, world_size: int, loss_of: Callable[[nn.Module, int], torch.Tensor]) -> None:
-    """One data-parallel backward in one process: each rank's gradient times 1/N, summed in
-    rank order, added to ``.grad`` (a parameter no rank used keeps its ``.grad``)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    per_rank = [list(torch.autograd.grad(loss_of(model, r), params, allow_unused=True)) for r in range(world_size)]
-    add_to_grads(params, average_in_rank_order(per_rank))

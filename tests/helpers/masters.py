@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tests.helpers.data import rank_batch, seeded_mlp
+from tests.helpers.ddp_arithmetic import rank_order_sum
 
 LOW = torch.bfloat16
 
@@ -40,14 +41,6 @@ def max_ulps(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor], dtype: torch.
     return worst
 
 
-def rank_order_sum(rows: list[torch.Tensor]) -> torch.Tensor:
-    """``rows[0] + rows[1] + ...`` in rank order, as the owner sums a bucket."""
-    total = rows[0] + rows[1] if len(rows) > 1 else rows[0].clone()
-    for row in rows[2:]:
-        total += row
-    return total
-
-
 def sdp_reduce(per_rank: list[torch.Tensor], wire: torch.dtype, master: torch.dtype = torch.float32) -> torch.Tensor:
     """ShardedDataParallel's arithmetic for one gradient with masters: each rank's gradient
     scaled by 1/N in the wire dtype (widened exactly first when narrower), every row widened
@@ -61,11 +54,6 @@ def sdp_reduce(per_rank: list[torch.Tensor], wire: torch.dtype, master: torch.dt
             row = torch.mul(g, 1.0 / n).to(wire)
         rows.append(row.to(master))
     return rank_order_sum(rows)
-
-
-def ddp_reduce(per_rank: list[torch.Tensor]) -> torch.Tensor:
-    """DDP's arithmetic in the gradient's own dtype (bit-exact at 2 ranks only)."""
-    return rank_order_sum([g * (1.0 / len(per_rank)) for g in per_rank])
 
 
 class MasterReference:

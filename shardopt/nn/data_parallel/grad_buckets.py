@@ -41,7 +41,7 @@ step. Larger parameters still get a bucket of their own, and the arithmetic is t
 either way (each gradient is summed over ranks in rank order). Measured on
 scripts/bench_bucketless.py (2 ranks): 1.46x fairscale's step time with one all-to-all per
 parameter and two in flight, 1.22x with the byte budget of Note [reductions in flight] (in
-sharded_ddp.py), 0.83x with both.
+reduction_queue.py), 0.83x with both.
 
 Note [reduce into master gradients]
 With master weights (``OSS(master_dtype=torch.float32)`` over bf16/fp16 parameters) a
@@ -184,7 +184,8 @@ def plan_buckets(
 
 
 class GradBucket:
-    """One bucket's buffers and progress through an iteration.
+    """One bucket's buffers and progress through an iteration: its send pieces while it
+    fills, and once launched its pending all-to-all and receive pieces, until :meth:`finish`.
 
     Args:
         spec: the static layout.
@@ -199,6 +200,8 @@ class GradBucket:
         self._position = {p: k for k, p in enumerate(spec.params)}
         self.state = BucketState.EMPTY
         self._send: list[torch.Tensor] | None = None
+        self._recv: list[torch.Tensor] = []
+        self._pending: comm.PendingWork | None = None
         self._filled: set[int] = set()
         # Where each parameter's gradient and flag sit inside its owner's piece.
         base = [sum(spec.splits[:r]) for r in range(len(spec.splits))]
@@ -217,6 +220,12 @@ class GradBucket:
     def nbytes(self) -> int:
         """Bytes of the send buffer (what the bucket holds while in flight)."""
         return self.spec.numel * self.spec.wire_dtype.itemsize
+
+    @property
+    def holds_buffers(self) -> bool:
+        """Whether the bucket holds send or receive pieces (only between its first gradient
+        of an iteration and :meth:`finish`)."""
+        return self._send is not None or bool(self._recv)
 
     @property
     def complete(self) -> bool:
@@ -254,13 +263,10 @@ class GradBucket:
         self._send[owner][flag] = 1
         self._filled.add(k)
 
-    def launch(
-        self, group: comm.ProcessGroup | None, num_ranks: int
-    ) -> tuple[comm.PendingWork, list[torch.Tensor]]:
-        """Zero the slots nobody filled, send, and return (pending work, received pieces).
-
-        The received pieces are indexed by source rank; this rank's own is its send piece.
-        """
+    def launch(self, group: comm.ProcessGroup | None, num_ranks: int) -> None:
+        """Zero the slots nobody filled and send; the bucket keeps the pending work and the
+        received pieces (indexed by source rank; this rank's own is its send piece) until
+        :meth:`finish`."""
         if self.state is BucketState.EMPTY:
             self._send = self._allocate()
             self._to(BucketState.FILLING)
@@ -275,23 +281,29 @@ class GradBucket:
             self._send[r] if r == self._rank else torch.empty(mine, dtype=self.spec.wire_dtype, device=self.spec.device)
             for r in range(num_ranks)
         ]
-        pending = comm.all_to_all_pieces(recv, self._send, group, label=f"shardopt::sdp::reduce::bucket{self.spec.index}")
+        self._pending = comm.all_to_all_pieces(recv, self._send, group,
+                                               label=f"shardopt::sdp::reduce::bucket{self.spec.index}")
+        self._recv = recv
         self._filled.clear()
         self._to(BucketState.IN_FLIGHT)
-        return pending, recv
 
-    def unpack(self, recv: list[torch.Tensor], num_ranks: int) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
-        """Sum the received copies (rank order) into this rank's reduced gradients.
+    def finish(self, num_ranks: int) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+        """Wait for the all-to-all, then sum the received copies (rank order) into this rank's
+        reduced gradients and release the bucket's pieces.
 
         Returns:
             ``(param, grad)`` for each parameter this rank owns in the bucket; ``grad`` is
             ``None`` when no rank had a gradient for it (see Note [reduce to owner]).
         """
+        pending, recv = self._pending, self._recv
+        assert pending is not None, f"[rank {self._rank}] bucket {self.spec.index} finished without being launched"
+        self._pending, self._recv = None, []
+        pending.wait()
         self._to(BucketState.EMPTY)
         try:
             return self._reduced(recv, num_ranks)
         finally:
-            # The transfer is complete; see Note [release scratch buffers] in shardopt.buckets.
+            # The transfer is complete; see Note [release scratch buffers] in shardopt.comm.
             for piece in recv + (self._send or []):
                 comm.release_storage(piece)
             self._send = None

@@ -1,4 +1,5 @@
-"""Gradients ShardedDataParallel's buckets cannot reduce, refused with an error naming the fix.
+"""Gradients ShardedDataParallel's buckets cannot reduce, refused with an error naming the fix
+(checks shared with FullyShardedDataParallel live in :mod:`shardopt.nn.module_checks`).
 
 Each check sees the same program on every rank, so every rank raises the same error at the
 same point instead of one rank leaving a collective the others wait in.
@@ -11,28 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["check_accumulated", "refuse_sparse_modules"]
-
-
-def refuse_sparse_modules(module: nn.Module, wrapper: str) -> None:
-    """Refuse embeddings that produce sparse gradients for trainable parameters (neither
-    ShardedDataParallel's buckets nor a FullyShardedDataParallel unit's flat gradient can
-    hold them).
-
-    Args:
-        module: the module being wrapped.
-        wrapper: the wrapper's class name, for the message.
-
-    Raises:
-        TypeError: a trainable ``nn.Embedding`` / ``nn.EmbeddingBag`` has ``sparse=True``.
-    """
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
-            raise TypeError(
-                f"module {name or type(sub).__name__!r} ({type(sub).__name__}) has sparse=True: "
-                f"{wrapper} reduces dense gradients only; build it with sparse=False "
-                "(and a dense optimizer such as torch.optim.Adam instead of SparseAdam)"
-            )
+__all__ = ["check_accumulated", "check_grads_are_leaves"]
 
 
 def check_accumulated(param: nn.Parameter, name_of: Callable[[torch.Tensor], str]) -> None:
@@ -60,3 +40,22 @@ def check_accumulated(param: nn.Parameter, name_of: Callable[[torch.Tensor], str
             "reduces dense gradients only; make the operation producing it dense "
             "(e.g. nn.Embedding(sparse=False), F.embedding(..., sparse=False))"
         )
+
+
+def check_grads_are_leaves(module: nn.Module, name_of: Callable[[torch.Tensor], str]) -> None:
+    """Raise on a ``.grad`` that carries a graph, before a training forward.
+
+    Args:
+        module: the wrapped module.
+        name_of: a parameter's name in the module, for the message.
+
+    Raises:
+        RuntimeError: a parameter's gradient requires grad.
+    """
+    for p in module.parameters():
+        if p.grad is not None and p.grad.requires_grad:
+            raise RuntimeError(
+                f"parameter {name_of(p)!r} holds a gradient that requires grad (left by "
+                "backward(create_graph=True) or autograd.grad into .grad); ShardedDataParallel reduces plain "
+                "gradients only: call optimizer.zero_grad(set_to_none=True) or detach the gradient first"
+            )

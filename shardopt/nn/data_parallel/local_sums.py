@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from shardopt.optim.masters import leave_placeholder, take_placeholder
+from shardopt.placeholders import leave_placeholder, take_placeholder
 
 __all__ = ["LocalSums"]
 
@@ -63,7 +63,7 @@ class LocalSums:
     def settle(self, param: torch.Tensor, master: torch.Tensor | None) -> None:
         """Before what is held for ``param`` is used: drop its local sum and its master's
         gradient if the placeholder left in ``param.grad`` is gone or was zeroed (Note
-        [placeholders for moved gradients] in :mod:`shardopt.optim.masters`)."""
+        [placeholders for moved gradients] in :mod:`shardopt.placeholders`)."""
         if not take_placeholder(param):
             self._sums.pop(param, None)
             if master is not None:

@@ -1,13 +1,22 @@
-"""``ShardedDataParallel``: ZeRO stage 2 on top of :class:`~shardopt.optim.OSS`."""
+"""``ShardedDataParallel``: ZeRO stage 2 on top of :class:`~shardopt.optim.OSS`.
+
+The wrapper checks its arguments, plans which rank owns each parameter (the optimizers'
+partitions) and installs one pre-hook and one post-accumulate hook per trainable parameter.
+The per-step machinery lives in two objects it owns: a
+:class:`~shardopt.nn.data_parallel.reduction_queue.ReductionQueue` (the buckets and the
+reductions in flight, rebuilt with the hooks) and an
+:class:`~shardopt.nn.data_parallel.owner_grads.OwnerGrads` (gradients held across backward
+passes, ``no_sync`` sums and master gradients, kept for the wrapper's life). The hooks only
+route: a gradient accumulated under ``no_sync`` goes to the owner's gradients, any other to
+its bucket.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import warnings
-import weakref
-from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -17,53 +26,16 @@ from torch.autograd.graph import get_gradient_edge
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
-from shardopt.nn.data_parallel.gradient_checks import check_accumulated, refuse_sparse_modules
-from shardopt.nn.data_parallel.local_sums import LocalSums
+from shardopt.nn.data_parallel.gradient_checks import check_accumulated, check_grads_are_leaves
+from shardopt.nn.data_parallel.owner_grads import OwnerGrads
+from shardopt.nn.data_parallel.reduction_queue import ReductionQueue
+from shardopt.nn.module_checks import refuse_sparse_modules
 from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
 
 __all__ = ["ShardedDataParallel"]
 
-# Note [reductions in flight]
-# Reductions stay in flight until their bytes pass two default buckets' worth (2 x 2**23
-# fp32 elements); then the oldest is waited for. With default buckets that is two in
-# flight, as before. Without buckets (reduce_buffer_size=0: one all-to-all per parameter,
-# fairscale's benchmark setting) a count of two serialised hundreds of tiny transfers, and
-# a step of a model of 150 small parameters took 1.46x fairscale's (scripts/bench_bucketless.py,
-# 2 ranks); a byte budget keeps as many small ones in flight as large ones would use memory.
-_MAX_BYTES_IN_FLIGHT = 2 * 2**23 * 4
-
 _MIN_BUCKET_NUMEL = 2**16  # Note [small parameters share a bucket] in grad_buckets
-
-# Note [owner's gradient across backward passes]
-# After a reduction the owner's ``.grad`` holds the *averaged* gradient; no other rank has
-# one. A later backward (gradient accumulation without no_sync) would add this rank's
-# *local* gradient on top, and reducing that sum would divide the earlier average by N
-# again (the other ranks have nothing to add to it). So just before autograd accumulates
-# into a parameter, a ``.grad`` that is still the tensor we wrote (same object, whatever was
-# done to it in place: zeroed by zero_grad, unscaled by a scaler, clipped) is moved aside;
-# autograd then accumulates only local gradients, the bucket sends only those, and the
-# owner adds the new reduced gradient to what it set aside. Zeros set aside add exactly;
-# a ``.grad`` set to None has nothing to set aside. Hence any zero_grad, on any object, at
-# any time, is safe, and an in-place edit of the reduced gradient is kept, as with DDP.
-# A ``.grad`` *replaced* by a new tensor is not ours and counts as a local gradient, as DDP
-# counts every ``.grad``: replace the owner's reduced gradient only before a step, not
-# before more backward passes.
-# The set-aside runs as a pre-hook of the parameter's AccumulateGrad node, which runs only
-# when a gradient is really accumulated. A tensor hook (``param.register_hook``) would also
-# fire for ``torch.autograd.grad(loss, params)``, which never touches ``.grad``: the owner's
-# reduced gradient would vanish into the set-aside table and the step would skip it.
-
-# Note [reentrant checkpoints]
-# A reentrant activation checkpoint runs a nested backward, with its own end-of-backward
-# callbacks. The flush is queued on the backward in which the first gradient of an
-# iteration arrives. If that is a nested one, every bucket is sent when it ends and the
-# rest of the outer backward is reduced in a second round: correct (the owner adds the
-# rounds, Note [owner's gradient across backward passes]) but with twice the bytes. A
-# parameter used in several reentrant checkpoints after the flush was queued on the outer
-# backward gets one gradient per nested backward within one round, after its bucket may
-# have been sent: that is refused with a ValueError naming it, rather than reduced wrongly.
-# Non-reentrant checkpoints (use_reentrant=False) have neither problem.
 
 
 class ShardedDataParallel(nn.Module):
@@ -72,8 +44,9 @@ class ShardedDataParallel(nn.Module):
     Wrap the model and give it the :class:`~shardopt.optim.OSS` optimizer(s) over its
     parameters; train as with DDP. During backward each gradient is copied into a bucket
     and freed; a full bucket is sent with one all-to-all that delivers every parameter's
-    gradient to its owner only (Note [reduce to owner]). After backward a rank holds
-    gradients for the parameters it owns and ``OSS.step`` updates and re-gathers them.
+    gradient to its owner only (Note [reduce to owner] in ``grad_buckets``). After backward
+    a rank holds gradients for the parameters it owns and ``OSS.step`` updates and
+    re-gathers them.
     With OSS master weights (``master_dtype``), a low-precision parameter's reduced gradient
     goes to its master's fp32 ``.grad`` on the owner and accumulates there (Note [reduce into
     master gradients]); under ``no_sync`` local sums are kept in fp32 (Note [no_sync sums in
@@ -167,22 +140,14 @@ class ShardedDataParallel(nn.Module):
         self._wire_dtypes: dict[torch.dtype, torch.dtype] = {}
         if reduce_dtype is not None or reduce_fp16:
             self._wire_dtypes[torch.float32] = reduce_dtype or torch.float16
-        master = optimizers[0].master_dtype  # Note [reduce into master gradients]
+        master = optimizers[0].master_dtype  # Note [reduce into master gradients] in grad_buckets
         self._grad_dtypes = {p.dtype: master for p in module.parameters() if master and needs_master(p.dtype, master)}
         self._wire_dtypes.update({d: reduce_dtype or m for d, m in self._grad_dtypes.items()})
-        self._local_sums = LocalSums(self._grad_dtypes)
+        self._grads = OwnerGrads(self._grad_dtypes, self.rank, self._name_of)
+        self._queue = ReductionQueue([], self.process_group, self.rank, self.world_size, self._grads.receive)
         self._should_sync = True
         self._hook_handles: list[Any] = []
         self._accumulators: list[Any] = []
-        self._buckets: list[GradBucket] = []
-        self._bucket_of: dict[nn.Parameter, GradBucket] = {}
-        self._next_launch = 0
-        self._in_flight: deque[tuple[GradBucket, comm.PendingWork, list[torch.Tensor]]] = deque()
-        self._bytes_in_flight = 0
-        self._callback_queued = False
-        self._set_aside: dict[nn.Parameter, torch.Tensor] = {}
-        self._written: dict[nn.Parameter, weakref.ref[torch.Tensor]] = {}
-        self._local_pending: set[nn.Parameter] = set()
         self._closed = False
         # Note [agree before the first collective] in shardopt.agreement
         check_agreement("ShardedDataParallel", [
@@ -194,42 +159,20 @@ class ShardedDataParallel(nn.Module):
             ("buffers", [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]),
         ], self.process_group, "pass the same model and ShardedDataParallel arguments on every rank")
         if sync_models_at_startup:
-            self._sync_params_and_buffers()
+            comm.wait_all([comm.broadcast(t.data, 0, self.process_group, label="shardopt::sdp::startup_sync")
+                           for t in list(module.parameters()) + list(module.buffers())])
         self._setup()
-        self._expose_forward_signature()
+        _expose_forward_signature(self)
         if self.world_size > 1:  # Note [clipping that bypasses the wrapper] in shardopt.clipping
             clipping.register_sharded(self, module.parameters(), "OSS.clip_grad_norm")
 
     # ------------------------------------------------------------------ setup
 
-    def _trainable_signature(self) -> tuple[bool, ...]:
-        return tuple(p.requires_grad for p in self.module.parameters())
-
-    def _owners(self) -> dict[torch.Tensor, int]:
-        owners: dict[torch.Tensor, int] = {}
-        self._optim_of: dict[torch.Tensor, OSS] = {}
-        source: dict[torch.Tensor, int] = {}
-        for k, opt in enumerate(self.sharded_optimizers):
-            for i, p in enumerate(opt.params):
-                if p in owners:
-                    what = f"parameter {self._name_of(p)!r} of shape {tuple(p.shape)}"
-                    if source[p] == k:
-                        raise ValueError(
-                            f"{what} is listed twice in sharded optimizer {k}: shared weights (such as a tied "
-                            "embedding and LM head) are one parameter; build the OSS over model.parameters(), "
-                            "which lists each parameter once"
-                        )
-                    raise ValueError(f"{what} is in two of the sharded optimizers ({source[p]} and {k}); "
-                                     "give each parameter to exactly one OSS")
-                owners[p] = opt.partition.owners[i]
-                source[p] = k
-                self._optim_of[p] = opt
-        return owners
-
     def _setup(self) -> None:
         """(Re)build the bucket plan and the hooks from the current trainable parameters."""
         self._remove_hooks()
-        owners = self._owners()
+        owners, optim_of = _plan_ownership(self.sharded_optimizers, self._name_of)
+        self._grads.plan(optim_of)
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         refuse_sparse_modules(self.module, "ShardedDataParallel")
         missing = [tuple(p.shape) for p in trainable if p not in owners]
@@ -240,15 +183,14 @@ class ShardedDataParallel(nn.Module):
             )
         specs = plan_buckets(trainable, [owners[p] for p in trainable], self.world_size,
                              self.reduce_buffer_size or _MIN_BUCKET_NUMEL, self._wire_dtypes, self._grad_dtypes)
-        self._buckets = [GradBucket(spec, self.rank, 1.0 / self.world_size) for spec in specs]
-        self._bucket_of = {p: b for b in self._buckets for p in b.spec.params}
+        self._queue = ReductionQueue(specs, self.process_group, self.rank, self.world_size, self._grads.receive)
         # The engine holds AccumulateGrad nodes weakly: keep them, or the hooks die with them.
         self._accumulators = [get_gradient_edge(p).node for p in trainable]
         for p, accumulator in zip(trainable, self._accumulators):
-            self._hook_handles.append(accumulator.register_prehook(self._make_pre_hook(p)))
+            # Note [owner's gradient across backward passes] in owner_grads
+            self._hook_handles.append(accumulator.register_prehook(functools.partial(self._grads.before_accumulate, p)))
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
-        self._trainable_sig = self._trainable_signature()
-        self._reset_iteration()
+        self._trainable_sig = _trainable_signature(self.module)
 
     def _remove_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -258,20 +200,18 @@ class ShardedDataParallel(nn.Module):
     def refresh_trainable(self) -> None:
         """Re-partition the optimizers and rebuild buckets after (un)freezing. All ranks."""
         self._check_open("refresh_trainable()")
-        if self._in_flight or self._next_launch:
+        if self._queue.busy:
             raise RuntimeError(
                 f"[rank {self.rank}] refresh_trainable() was called while gradients are being reduced; "
                 "call it between iterations (after optimizer.step())"
             )
         for opt in self.sharded_optimizers:
             opt.refresh_trainable()
-        self._set_aside.clear()
-        self._written.clear()
-        self._local_sums.clear()
+        self._grads.forget()
         self._setup()
 
     def _check_trainability(self) -> None:
-        if self._trainable_signature() == self._trainable_sig:
+        if _trainable_signature(self.module) == self._trainable_sig:
             return
         if self.warn_on_trainable_params_changed:
             warnings.warn(
@@ -284,7 +224,7 @@ class ShardedDataParallel(nn.Module):
         if self.auto_refresh_trainable:
             self.refresh_trainable()
         else:
-            self._trainable_sig = self._trainable_signature()  # warn once per change
+            self._trainable_sig = _trainable_signature(self.module)  # warn once per change
 
     # ------------------------------------------------------------------ forward
 
@@ -297,7 +237,7 @@ class ShardedDataParallel(nn.Module):
         if self.module.training:
             self._check_open("a training forward")
             self._check_trainability()
-            self._check_grads_are_leaves()
+            check_grads_are_leaves(self.module, self._name_of)
             if self.broadcast_buffers:
                 self.sync_buffers(blocking=True)
         return self.module(*inputs, **kwargs)
@@ -313,7 +253,7 @@ class ShardedDataParallel(nn.Module):
         Raises:
             RuntimeError: gradients are being reduced (called inside a backward pass).
         """
-        if self._in_flight or self._next_launch:
+        if self._queue.busy:
             raise RuntimeError(
                 f"[rank {self.rank}] close() was called while gradients are being reduced; "
                 "call it between iterations (after optimizer.step())"
@@ -321,13 +261,7 @@ class ShardedDataParallel(nn.Module):
         clipping.unregister(self, self.module.parameters())
         self._remove_hooks()
         self._accumulators = []
-        for param, kept in self._set_aside.items():  # Note [owner's gradient across backward passes]
-            param.grad = kept if param.grad is None else kept.add_(param.grad)
-        self._set_aside.clear()
-        for p, total in self._local_sums.items():  # no_sync sums back into .grad (rounded)
-            p.grad = total.to(p.dtype) if p.grad is None else p.grad.add_(total)
-        self._local_sums.clear()
-        self._written.clear()
+        self._grads.restore()
         self._closed = True
 
     def __enter__(self) -> ShardedDataParallel:
@@ -342,26 +276,6 @@ class ShardedDataParallel(nn.Module):
                 f"[rank {self.rank}] {what} on a closed ShardedDataParallel: its gradient hooks were removed by "
                 "close(), so gradients would not be reduced; train the module through a new ShardedDataParallel"
             )
-
-    def _expose_forward_signature(self) -> None:
-        """Let ``inspect.signature(wrapper.forward)`` show the wrapped module's forward (the
-        Hugging Face Trainer drops dataset columns the forward does not name)."""
-        wrapper = self
-
-        def forward(*inputs: Any, **kwargs: Any) -> Any:
-            return ShardedDataParallel.forward(wrapper, *inputs, **kwargs)
-
-        functools.update_wrapper(forward, self.module.forward)
-        self.__dict__["forward"] = forward
-
-    def _check_grads_are_leaves(self) -> None:
-        for p in self.module.parameters():
-            if p.grad is not None and p.grad.requires_grad:
-                raise RuntimeError(
-                    f"parameter {self._name_of(p)!r} holds a gradient that requires grad (left by "
-                    "backward(create_graph=True) or autograd.grad into .grad); ShardedDataParallel reduces plain "
-                    "gradients only: call optimizer.zero_grad(set_to_none=True) or detach the gradient first"
-                )
 
     # DDP's read-only surface, for code written against DistributedDataParallel.
     @property
@@ -385,6 +299,13 @@ class ShardedDataParallel(nn.Module):
         """Whether the next backward reduces gradients (False inside :meth:`no_sync`)."""
         return self._should_sync
 
+    @property
+    def reduction_buckets(self) -> tuple[GradBucket, ...]:
+        """The gradient buckets, in launch order, for inspection (do not fill or send them):
+        each one's ``spec`` is its planned layout, its ``state`` and ``holds_buffers`` say
+        where it is in the current iteration."""
+        return tuple(self._queue.buckets)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -403,112 +324,29 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ hooks
 
-    def _make_pre_hook(self, param: nn.Parameter) -> Any:
-        def set_aside_reduced_grad(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            # See Note [owner's gradient across backward passes].
-            if param.dtype in self._grad_dtypes:
-                self._local_sums.settle(param, self._master_of(param))
-            written = self._written.pop(param, None)
-            if written is not None and param.grad is not None and written() is param.grad:
-                self._set_aside[param] = param.grad
-                param.grad = None
-            return None
-
-        return set_aside_reduced_grad
-
     def _post_accumulate(self, param: torch.Tensor) -> None:
         assert isinstance(param, nn.Parameter)
         check_accumulated(param, self._name_of)
         if not self._should_sync:
-            self._local_pending.add(param)
-            self._local_sums.keep(param)  # Note [no_sync sums in master precision]
-            self._local_sums.leave(param, self._master_of(param))
+            self._grads.keep_local(param)
             return
-        bucket = self._bucket_of[param]
-        if bucket.spec.index < self._next_launch or bucket.holds(param):  # Note [reentrant checkpoints]
+        if self._queue.is_sent_or_holds(param):  # Note [reentrant checkpoints] in reduction_queue
             raise ValueError(
                 f"parameter {self._name_of(param)!r} got a second gradient in one backward pass after its "
                 "first was queued for reduction. This happens when it is used in several reentrant activation "
                 "checkpoints (torch.utils.checkpoint(..., use_reentrant=True)), whose nested backward passes "
                 "each accumulate into it: use use_reentrant=False"
             )
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        grad = self._local_sums.take(param, param.grad)
-        assert grad is not None
-        bucket.add(param, grad)
-        param.grad = None
-        self._local_pending.discard(param)
-        self._launch_ready()
+        self._queue.queue_callback(self._flush)
+        self._queue.add(param, self._grads.take_for_bucket(param))
 
     def _name_of(self, param: torch.Tensor) -> str:
         return next((n for n, p in self.module.named_parameters() if p is param), "<not in module>")
 
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].complete:
-            self._launch(self._buckets[self._next_launch])
-
-    def _launch(self, bucket: GradBucket) -> None:
-        pending, recv = bucket.launch(self.process_group, self.world_size)
-        self._in_flight.append((bucket, pending, recv))
-        self._bytes_in_flight += bucket.nbytes
-        self._next_launch += 1
-        while len(self._in_flight) > 1 and self._bytes_in_flight > _MAX_BYTES_IN_FLIGHT:
-            self._finish(*self._in_flight.popleft())  # Note [reductions in flight]
-
-    def _finish(self, bucket: GradBucket, pending: comm.PendingWork, recv: list[torch.Tensor]) -> None:
-        pending.wait()
-        self._bytes_in_flight -= bucket.nbytes
-        for param, reduced in bucket.unpack(recv, self.world_size):
-            if bucket.spec.grad_dtype != param.dtype:  # Note [reduce into master gradients]
-                self._add_to_master(param, reduced)
-                continue
-            kept = self._set_aside.pop(param, None)
-            if reduced is None:
-                if kept is not None:
-                    param.grad = kept
-                continue
-            if kept is not None:
-                reduced = kept.add_(reduced)
-            param.grad = reduced
-            self._written[param] = weakref.ref(reduced)
-
-    def _master_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        return self._optim_of[param].master_of(param) if param.dtype in self._grad_dtypes else None
-
-    def _add_to_master(self, param: torch.Tensor, reduced: torch.Tensor | None) -> None:
-        master = self._optim_of[param].master_of(param)
-        assert master is not None, f"[rank {self.rank}] {self._name_of(param)!r} was reduced here, but has no master"
-        self._local_sums.settle(param, master)  # Note [placeholders for moved gradients]
-        if reduced is not None:
-            master.grad = reduced if master.grad is None else master.grad.add_(reduced)
-        self._local_sums.leave(param, master)
-
-    def _on_backward_end(self) -> None:
-        self._flush()
-
     def _flush(self) -> None:
         """Send every bucket not yet sent (gradients accumulated under no_sync included)."""
-        for bucket in self._buckets[self._next_launch :]:
-            for param in bucket.spec.params:
-                if param not in self._local_pending:
-                    continue
-                if param.dtype in self._grad_dtypes:  # Note [placeholders for moved gradients]
-                    self._local_sums.settle(param, self._master_of(param))
-                grad = self._local_sums.take(param, param.grad)
-                if grad is not None:
-                    bucket.add(param, grad)
-                    param.grad = None
-            self._launch(bucket)
-        while self._in_flight:
-            self._finish(*self._in_flight.popleft())
-        self._local_pending.clear()
-        self._reset_iteration()
-
-    def _reset_iteration(self) -> None:
-        self._next_launch = 0
-        self._callback_queued = False
+        self._queue.flush(self._grads.take_pending)
+        self._grads.end_flush()
 
     def reduce(self) -> None:
         """Reduce the gradients accumulated locally (under :meth:`no_sync`) now. All ranks.
@@ -518,7 +356,7 @@ class ShardedDataParallel(nn.Module):
         Raises:
             RuntimeError: there are no locally accumulated gradients to reduce.
         """
-        if not self._local_pending:
+        if not self._grads.has_local:
             raise RuntimeError(
                 f"[rank {self.rank}] ShardedDataParallel.reduce(): nothing to reduce; backward passes "
                 "outside no_sync() reduce their gradients themselves. Call reduce() after backward passes "
@@ -534,21 +372,11 @@ class ShardedDataParallel(nn.Module):
 
         Args:
             set_to_none: drop the gradients instead of zeroing them (default ``False``, as
-                fairscale's; either is safe, see Note [owner's gradient across backward passes]).
+                fairscale's; either is safe, see Note [owner's gradient across backward
+                passes] in ``owner_grads``).
         """
         self.module.zero_grad(set_to_none=set_to_none)
-        for master in [opt.master_of(p) for p, opt in self._optim_of.items()]:
-            if master is not None:
-                master.grad = None
-        self._local_sums.clear()
-        self._set_aside.clear()
-        self._written.clear()
-        self._local_pending.clear()
-
-    def _sync_params_and_buffers(self) -> None:
-        pending = [comm.broadcast(t.data, 0, self.process_group, label="shardopt::sdp::startup_sync")
-                   for t in list(self.module.parameters()) + list(self.module.buffers())]
-        comm.wait_all(pending)
+        self._grads.zero()
 
     def sync_buffers(self, blocking: bool = False) -> list[comm.PendingWork]:
         """Copy rank 0's buffers to every rank.
@@ -584,3 +412,46 @@ class ShardedDataParallel(nn.Module):
         self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
         self.refresh_trainable()
         return self
+
+
+def _trainable_signature(module: nn.Module) -> tuple[bool, ...]:
+    return tuple(p.requires_grad for p in module.parameters())
+
+
+def _plan_ownership(optimizers: list[OSS], name_of: Callable[[torch.Tensor], str]
+                    ) -> tuple[dict[torch.Tensor, int], dict[torch.Tensor, OSS]]:
+    """The owner rank and the optimizer of every parameter the optimizers hold.
+
+    Raises:
+        ValueError: a parameter is listed twice in one optimizer, or in two of them.
+    """
+    owners: dict[torch.Tensor, int] = {}
+    optim_of: dict[torch.Tensor, OSS] = {}
+    source: dict[torch.Tensor, int] = {}
+    for k, opt in enumerate(optimizers):
+        for i, p in enumerate(opt.params):
+            if p in owners:
+                what = f"parameter {name_of(p)!r} of shape {tuple(p.shape)}"
+                if source[p] == k:
+                    raise ValueError(
+                        f"{what} is listed twice in sharded optimizer {k}: shared weights (such as a tied "
+                        "embedding and LM head) are one parameter; build the OSS over model.parameters(), "
+                        "which lists each parameter once"
+                    )
+                raise ValueError(f"{what} is in two of the sharded optimizers ({source[p]} and {k}); "
+                                 "give each parameter to exactly one OSS")
+            owners[p] = opt.partition.owners[i]
+            source[p] = k
+            optim_of[p] = opt
+    return owners, optim_of
+
+
+def _expose_forward_signature(wrapper: ShardedDataParallel) -> None:
+    """Let ``inspect.signature(wrapper.forward)`` show the wrapped module's forward (the
+    Hugging Face Trainer drops dataset columns the forward does not name)."""
+
+    def forward(*inputs: Any, **kwargs: Any) -> Any:
+        return ShardedDataParallel.forward(wrapper, *inputs, **kwargs)
+
+    functools.update_wrapper(forward, wrapper.module.forward)
+    wrapper.__dict__["forward"] = forward

@@ -1,7 +1,7 @@
 """What every unit of one FSDP model shares during a step: the :class:`StepContext`.
 
 The root wrapper (the outermost one, at its first forward) creates one context and attaches
-every unit of its tree to it (Note [hook order] in ``fully_sharded``). Units then record
+every unit of its tree to it (Note [hook order] in ``unit``). Units then record
 themselves in the execution order, prefetch their successor, hand their reductions in
 flight to the context and queue its end-of-backward callback, without any unit or wrapper
 reaching into another's attributes.

@@ -22,7 +22,6 @@ from torch import nn
 
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement
-from shardopt.nn.data_parallel.gradient_checks import refuse_sparse_modules
 from shardopt.nn.fsdp import grad_norm, optim_state_dict
 from shardopt.nn.fsdp.context import StepContext
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
@@ -38,6 +37,7 @@ from shardopt.nn.fsdp.records import TrainingState
 from shardopt.nn.fsdp.state_dict import WRAPPED, ParentLoad, clean_name, load_sharded, sharded_state
 from shardopt.nn.fsdp.unit import Unit
 from shardopt.nn.fsdp.wrap import AutoWrapPolicy, auto_wrap, claim_params, owner_of, registrations
+from shardopt.nn.module_checks import refuse_sparse_modules
 
 __all__ = ["FullyShardedDataParallel"]
 

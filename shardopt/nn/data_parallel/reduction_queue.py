@@ -1,0 +1,131 @@
+"""ShardedDataParallel's reduction queue: which bucket each gradient goes to, and the buckets
+in flight.
+
+ShardedDataParallel creates one :class:`ReductionQueue` from the bucket plan each time it
+(re)builds its hooks (construction, ``refresh_trainable``, ``to``), and hands it where the
+reduced gradients go (:meth:`OwnerGrads.receive
+<shardopt.nn.data_parallel.owner_grads.OwnerGrads.receive>`). In: each local gradient as
+autograd finishes it (:meth:`ReductionQueue.add`), and at the end of backward (or
+``reduce()``) whatever no hook added (:meth:`ReductionQueue.flush`, which asks a function for
+it). Out: each reduced gradient, handed to ``receive`` as its bucket is finished. The queue launches buckets strictly
+in index order (Note [reduce to owner] in ``grad_buckets``), keeps launched ones in flight
+under a byte budget (Note [reductions in flight]), and queues the end-of-backward callback
+at most once per iteration.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from shardopt import comm
+from shardopt.nn.data_parallel.grad_buckets import BucketSpec, GradBucket
+
+__all__ = ["MAX_BYTES_IN_FLIGHT", "Receiver", "ReductionQueue"]
+
+Receiver = Callable[[nn.Parameter, torch.Tensor | None, torch.dtype], None]
+"""Where a reduced gradient goes: ``(param, reduced or None when no rank had one, its dtype)``."""
+
+# Note [reductions in flight]
+# Reductions stay in flight until their bytes pass two default buckets' worth (2 x 2**23
+# fp32 elements); then the oldest is waited for. With default buckets that is two in
+# flight, as before. Without buckets (reduce_buffer_size=0: one all-to-all per parameter,
+# fairscale's benchmark setting) a count of two serialised hundreds of tiny transfers, and
+# a step of a model of 150 small parameters took 1.46x fairscale's (scripts/bench_bucketless.py,
+# 2 ranks); a byte budget keeps as many small ones in flight as large ones would use memory.
+MAX_BYTES_IN_FLIGHT = 2 * 2**23 * 4
+"""Bytes of launched buckets kept in flight before the oldest is waited for."""
+
+# Note [reentrant checkpoints]
+# A reentrant activation checkpoint runs a nested backward, with its own end-of-backward
+# callbacks. The flush is queued on the backward in which the first gradient of an
+# iteration arrives. If that is a nested one, every bucket is sent when it ends and the
+# rest of the outer backward is reduced in a second round: correct (the owner adds the
+# rounds, Note [owner's gradient across backward passes] in owner_grads) but with twice the
+# bytes. A parameter used in several reentrant checkpoints after the flush was queued on the
+# outer backward gets one gradient per nested backward within one round, after its bucket
+# may have been sent: that is refused with a ValueError naming it, rather than reduced wrongly.
+# Non-reentrant checkpoints (use_reentrant=False) have neither problem.
+
+
+class ReductionQueue:
+    """The buckets of one plan and their progress through an iteration.
+
+    Args:
+        specs: the bucket plan, in launch order (from ``plan_buckets``).
+        group: the process group to reduce over.
+        rank: this process's rank in ``group``.
+        world_size: ranks in ``group``.
+        receive: where each reduced gradient this rank owns goes.
+    """
+
+    def __init__(self, specs: Sequence[BucketSpec], group: comm.ProcessGroup | None, rank: int, world_size: int,
+                 receive: Receiver) -> None:
+        self.buckets = [GradBucket(spec, rank, 1.0 / world_size) for spec in specs]
+        """Every bucket, in launch order."""
+        self._bucket_of: dict[nn.Parameter, GradBucket] = {p: b for b in self.buckets for p in b.spec.params}
+        self._group = group
+        self._world_size = world_size
+        self._receive = receive
+        self._next_launch = 0
+        self._in_flight: deque[GradBucket] = deque()
+        self._bytes_in_flight = 0
+        self._callback_queued = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether an iteration's reductions have started and not yet all finished."""
+        return bool(self._in_flight) or self._next_launch > 0
+
+    def queue_callback(self, callback: Callable[[], None]) -> None:
+        """Queue ``callback`` to run at the end of the current backward, once per iteration."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    def is_sent_or_holds(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s gradient is already in its bucket, or its bucket was sent, this
+        iteration (a second gradient for it would be lost; Note [reentrant checkpoints])."""
+        bucket = self._bucket_of[param]
+        return bucket.spec.index < self._next_launch or bucket.holds(param)
+
+    def add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Copy ``param``'s local gradient into its bucket, and launch the buckets now complete."""
+        self._bucket_of[param].add(param, grad)
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
+            self._launch(self.buckets[self._next_launch])
+
+    def flush(self, take_local: Callable[[nn.Parameter], torch.Tensor | None]) -> None:
+        """Send every bucket not yet sent, with the gradients ``take_local`` still has for its
+        parameters, wait for every reduction and start a new iteration."""
+        for bucket in self.buckets[self._next_launch :]:
+            for param in bucket.spec.params:
+                grad = take_local(param)
+                if grad is not None:
+                    bucket.add(param, grad)
+            self._launch(bucket)
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new iteration: nothing launched, no callback queued."""
+        self._next_launch = 0
+        self._callback_queued = False
+
+    def _launch(self, bucket: GradBucket) -> None:
+        bucket.launch(self._group, self._world_size)
+        self._in_flight.append(bucket)
+        self._bytes_in_flight += bucket.nbytes
+        self._next_launch += 1
+        while len(self._in_flight) > 1 and self._bytes_in_flight > MAX_BYTES_IN_FLIGHT:
+            self._finish(self._in_flight.popleft())  # Note [reductions in flight]
+
+    def _finish(self, bucket: GradBucket) -> None:
+        reduced = bucket.finish(self._world_size)
+        self._bytes_in_flight -= bucket.nbytes
+        for param, grad in reduced:
+            self._receive(param, grad, bucket.spec.grad_dtype)
