@@ -22,6 +22,17 @@ The plan must be identical on every rank (the all-to-all splits must agree), so 
 only on parameter order, shapes, dtypes and owners, never on the order gradients arrive.
 Buckets are launched strictly in index order for the same reason.
 
+Note [host reads per step]
+On a GPU, writing a Python number into one element (``flags[k] = 1``) is a blocking
+host-to-device copy, and ``.tolist()``/``.item()`` wait for every kernel queued so far
+(pytorch#186482): each drains the GPU from inside backward. So the flags are written with one
+slice fill per destination when a bucket launches, and the owner reads the summed flags only
+for the parameters it did not use itself: "used here" implies "used somewhere" (DDP's rule),
+so such a parameter's gradient is decided without a read. The flags of the others are
+collected as device views and read together, once per backward, after the last bucket
+(``ReductionQueue.flush``); at one rank "unused here" is "unused everywhere" and nothing is
+read. tests/helpers/host_reads.py counts these reads on CPU ranks (tests/test_host_reads.py).
+
 Note [bucket pieces]
 Each destination's part of a bucket is its own tensor, not a slice of one buffer, and the
 owner's own part is summed straight from its send piece. A bucket of the default 2**23 fp32
@@ -57,12 +68,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from shardopt import comm
 
-__all__ = ["BucketSpec", "BucketState", "GradBucket", "plan_buckets"]
+__all__ = ["BucketSpec", "BucketState", "GradBucket", "Reduced", "plan_buckets"]
 
 
 class BucketState(enum.Enum):
@@ -183,6 +195,18 @@ def plan_buckets(
     return specs
 
 
+class Reduced(NamedTuple):
+    """One reduced gradient this rank owns, as :meth:`GradBucket.finish` hands it over."""
+
+    param: torch.nn.Parameter
+    grad: torch.Tensor | None
+    """The summed gradient, or ``None`` when it is known that no rank had one."""
+    used: torch.Tensor | None
+    """``None`` when ``grad`` is decided; else the summed flag (a 1-element device tensor): the
+    gradient counts only if it is above zero, read later with the others (Note [host reads
+    per step])."""
+
+
 class GradBucket:
     """One bucket's buffers and progress through an iteration: its send pieces while it
     fills, and once launched its pending all-to-all and receive pieces, until :meth:`finish`.
@@ -203,9 +227,15 @@ class GradBucket:
         self._recv: list[torch.Tensor] = []
         self._pending: comm.PendingWork | None = None
         self._filled: set[int] = set()
+        self._used_here: frozenset[int] = frozenset()
         # Where each parameter's gradient and flag sit inside its owner's piece.
         base = [sum(spec.splits[:r]) for r in range(len(spec.splits))]
         self._slot = [(o, spec.offsets[k] - base[o], spec.flag_offsets[k] - base[o]) for k, o in enumerate(spec.owners)]
+        # Each destination's flags are contiguous (plan_buckets): one range per owner.
+        self._flag_ranges: dict[int, tuple[int, int]] = {}
+        for owner, _, flag in self._slot:
+            lo, hi = self._flag_ranges.get(owner, (flag, flag + 1))
+            self._flag_ranges[owner] = (min(lo, flag), max(hi, flag + 1))
 
     def _allocate(self) -> list[torch.Tensor]:
         """One send piece per destination (Note [bucket pieces])."""
@@ -237,7 +267,7 @@ class GradBucket:
         return self._position[param] in self._filled
 
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Copy ``grad * scale`` into the parameter's slot and set its flag.
+        """Copy ``grad * scale`` into the parameter's slot (its flag is set at :meth:`launch`).
 
         A gradient narrower than the wire (bf16 into an fp32 bucket) is widened exactly
         first and scaled in the wire dtype; otherwise the product is rounded to the wire.
@@ -260,22 +290,24 @@ class GradBucket:
             slot.copy_(grad.reshape(-1)).mul_(self._scale)
         else:
             torch.mul(grad.reshape(-1), self._scale, out=slot)
-        self._send[owner][flag] = 1
         self._filled.add(k)
 
     def launch(self, group: comm.ProcessGroup | None, num_ranks: int) -> None:
-        """Zero the slots nobody filled and send; the bucket keeps the pending work and the
-        received pieces (indexed by source rank; this rank's own is its send piece) until
-        :meth:`finish`."""
+        """Set the flags, zero the slots nobody filled and send; the bucket keeps the pending
+        work and the received pieces (indexed by source rank; this rank's own is its send
+        piece) until :meth:`finish`. Only slice writes: nothing waits for the device (Note
+        [host reads per step])."""
         if self.state is BucketState.EMPTY:
             self._send = self._allocate()
             self._to(BucketState.FILLING)
         assert self._send is not None
+        for owner, (lo, hi) in self._flag_ranges.items():
+            self._send[owner][lo:hi].fill_(1)
         for k, param in enumerate(self.spec.params):
             if k not in self._filled:
                 owner, start, flag = self._slot[k]
                 self._send[owner][start : start + param.numel()].zero_()
-                self._send[owner][flag] = 0
+                self._send[owner][flag : flag + 1].zero_()
         mine = self.spec.splits[self._rank]
         recv = [
             self._send[r] if r == self._rank else torch.empty(mine, dtype=self.spec.wire_dtype, device=self.spec.device)
@@ -284,16 +316,16 @@ class GradBucket:
         self._pending = comm.all_to_all_pieces(recv, self._send, group,
                                                label=f"shardopt::sdp::reduce::bucket{self.spec.index}")
         self._recv = recv
+        self._used_here = frozenset(self._filled)
         self._filled.clear()
         self._to(BucketState.IN_FLIGHT)
 
-    def finish(self, num_ranks: int) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+    def finish(self, num_ranks: int) -> list[Reduced]:
         """Wait for the all-to-all, then sum the received copies (rank order) into this rank's
         reduced gradients and release the bucket's pieces.
 
         Returns:
-            ``(param, grad)`` for each parameter this rank owns in the bucket; ``grad`` is
-            ``None`` when no rank had a gradient for it (see Note [reduce to owner]).
+            A :class:`Reduced` for each parameter this rank owns in the bucket.
         """
         pending, recv = self._pending, self._recv
         assert pending is not None, f"[rank {self._rank}] bucket {self.spec.index} finished without being launched"
@@ -308,9 +340,7 @@ class GradBucket:
                 comm.release_storage(piece)
             self._send = None
 
-    def _reduced(
-        self, recv: list[torch.Tensor], num_ranks: int
-    ) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+    def _reduced(self, recv: list[torch.Tensor], num_ranks: int) -> list[Reduced]:
         mine = [k for k, owner in enumerate(self.spec.owners) if owner == self._rank]
         if not mine:
             return []
@@ -321,11 +351,15 @@ class GradBucket:
         for r in range(2, num_ranks):
             total += rows[r]
         base = self.spec.offsets[mine[0]]
-        used = total[self.spec.flag_offsets[mine[0]] - base :].tolist()
-        out: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
-        for n, k in enumerate(mine):
+        out: list[Reduced] = []
+        for k in mine:
             param = self.spec.params[k]
             start = self.spec.offsets[k] - base
-            grad = total[start : start + param.numel()].view_as(param) if used[n] > 0 else None
-            out.append((param, grad))
+            grad = total[start : start + param.numel()].view_as(param)
+            if k in self._used_here or num_ranks == 1:
+                # Used here, so used somewhere; at one rank, unused here is unused everywhere.
+                out.append(Reduced(param, grad if k in self._used_here else None, None))
+            else:
+                flag = self.spec.flag_offsets[k] - base
+                out.append(Reduced(param, grad, total[flag : flag + 1]))
         return out

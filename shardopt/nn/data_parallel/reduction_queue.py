@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardopt import comm
-from shardopt.nn.data_parallel.grad_buckets import BucketSpec, GradBucket
+from shardopt.nn.data_parallel.grad_buckets import BucketSpec, GradBucket, Reduced
 
 __all__ = ["MAX_BYTES_IN_FLIGHT", "Receiver", "ReductionQueue"]
 
@@ -74,6 +74,7 @@ class ReductionQueue:
         self._in_flight: deque[GradBucket] = deque()
         self._bytes_in_flight = 0
         self._callback_queued = False
+        self._undecided: list[tuple[Reduced, torch.dtype]] = []
 
     @property
     def busy(self) -> bool:
@@ -109,12 +110,14 @@ class ReductionQueue:
             self._launch(bucket)
         while self._in_flight:
             self._finish(self._in_flight.popleft())
+        self._decide()
         self.reset()
 
     def reset(self) -> None:
-        """Start a new iteration: nothing launched, no callback queued."""
+        """Start a new iteration: nothing launched, no callback queued, nothing undecided."""
         self._next_launch = 0
         self._callback_queued = False
+        self._undecided.clear()
 
     def _launch(self, bucket: GradBucket) -> None:
         bucket.launch(self._group, self._world_size)
@@ -127,5 +130,20 @@ class ReductionQueue:
     def _finish(self, bucket: GradBucket) -> None:
         reduced = bucket.finish(self._world_size)
         self._bytes_in_flight -= bucket.nbytes
-        for param, grad in reduced:
-            self._receive(param, grad, bucket.spec.grad_dtype)
+        for item in reduced:
+            if item.used is None:
+                self._receive(item.param, item.grad, bucket.spec.grad_dtype)
+            else:
+                self._undecided.append((item, bucket.spec.grad_dtype))
+
+    def _decide(self) -> None:
+        """Hand over the gradients of the owned parameters this rank did not use: one host
+        read of their summed flags for the whole backward (Note [host reads per step] in
+        grad_buckets), none when every owned parameter was used here."""
+        if not self._undecided:
+            return
+        flags = torch.cat([item.used for item, _ in self._undecided if item.used is not None])
+        used = flags.tolist()  # host-read: once per backward, Note [host reads per step]
+        for (item, dtype), count in zip(self._undecided, used, strict=True):
+            self._receive(item.param, item.grad if count > 0 else None, dtype)
+        self._undecided.clear()
