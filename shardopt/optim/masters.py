@@ -182,7 +182,7 @@ class MasterWeights:
             p = params[i]
             if self._agreed[i] == p._version:
                 continue
-            if not torch.equal(master.to(p.dtype), p.detach()):
+            if not torch.equal(master.to(p.dtype), p.detach()):  # host-read: only after an outside write
                 logger.info("parameter %s was written outside the optimizer; its master follows it", i)
                 master.copy_(p.detach())
             self._agreed[i] = p._version
