@@ -16,7 +16,7 @@ at most once per iteration.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch import nn
 from shardopt import comm
 from shardopt.nn.data_parallel.grad_buckets import BucketSpec, GradBucket, Reduced
 
-__all__ = ["MAX_BYTES_IN_FLIGHT", "Receiver", "ReductionQueue"]
+__all__ = ["MAX_BYTES_IN_FLIGHT", "PassThroughQueue", "Receiver", "ReductionQueue"]
 
 Receiver = Callable[[nn.Parameter, torch.Tensor | None, torch.dtype], None]
 """Where a reduced gradient goes: ``(param, reduced or None when no rank had one, its dtype)``."""
@@ -147,3 +147,81 @@ class ReductionQueue:
         for (item, dtype), count in zip(self._undecided, used, strict=True):
             self._receive(item.param, item.grad if count > 0 else None, dtype)
         self._undecided.clear()
+
+
+# Note [one rank passes gradients through]
+# At one rank there is nothing to reduce: the owner's "reduced" gradient is its own local one
+# (DDP multiplies by 1/1, which is exact). So the queue hands autograd's gradient straight to
+# the owner: no bucket, no copy, no flag, no collective, and the tensor autograd produced is
+# the one left in ``param.grad``. The only arithmetic the buckets did that can change a bit is
+# a wire narrower than the gradient (``reduce_dtype=torch.bfloat16`` over fp32 parameters):
+# that rounding is kept, so a program gives the same result at one rank as before. Gradients
+# bound for fp32 master gradients are widened, exactly, as the bucket did. Everything else
+# (set-aside gradients across backward passes, no_sync sums, placeholders, unused parameters
+# left untouched) is OwnerGrads' and does not change.
+
+
+class PassThroughQueue:
+    """The one-rank stand-in for :class:`ReductionQueue`, with the same interface (Note [one
+    rank passes gradients through]).
+
+    Args:
+        params: the trainable parameters, in order.
+        wire_dtypes: the dtype each parameter dtype would be sent in (only a narrower one matters).
+        grad_dtypes: a low-precision parameter dtype's master gradient dtype.
+        receive: where each gradient goes (``OwnerGrads.receive``).
+    """
+
+    buckets: tuple[GradBucket, ...] = ()
+    """No buckets at one rank."""
+
+    def __init__(self, params: Sequence[nn.Parameter], wire_dtypes: Mapping[torch.dtype, torch.dtype],
+                 grad_dtypes: Mapping[torch.dtype, torch.dtype], receive: Receiver) -> None:
+        self._params = tuple(params)
+        self._grad_dtype = {p: grad_dtypes.get(p.dtype, p.dtype) for p in self._params}
+        self._wire_dtype = {p: wire_dtypes.get(p.dtype, p.dtype) for p in self._params}
+        self._receive = receive
+        self._handed: set[nn.Parameter] = set()
+        self._callback_queued = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether gradients of an iteration were handed over and the iteration is not finished."""
+        return bool(self._handed)
+
+    def queue_callback(self, callback: Callable[[], None]) -> None:
+        """Queue ``callback`` to run at the end of the current backward, once per iteration."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    def is_sent_or_holds(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s gradient was handed over this iteration (refused a second time,
+        as at more ranks, so a program fails the same way at any world size)."""
+        return param in self._handed
+
+    def add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Hand ``param``'s gradient to its owner (this rank) now."""
+        self._handed.add(param)
+        grad_dtype, wire = self._grad_dtype[param], self._wire_dtype[param]
+        if wire.itemsize < grad.dtype.itemsize:
+            grad = grad.to(wire)  # the rounding a narrower wire does at every world size
+        self._receive(param, grad if grad.dtype == grad_dtype else grad.to(grad_dtype), grad_dtype)
+
+    def flush(self, take_local: Callable[[nn.Parameter], torch.Tensor | None]) -> None:
+        """Hand over what ``take_local`` still has (``no_sync`` sums); tell the owner of every
+        other parameter that it got no gradient; start a new iteration."""
+        for param in self._params:
+            if param in self._handed:
+                continue
+            grad = take_local(param)
+            if grad is not None:
+                self.add(param, grad)
+            else:
+                self._receive(param, None, self._grad_dtype[param])
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new iteration."""
+        self._handed.clear()
+        self._callback_queued = False

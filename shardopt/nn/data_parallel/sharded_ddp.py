@@ -28,7 +28,7 @@ from shardopt.agreement import check_agreement
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
 from shardopt.nn.data_parallel.gradient_checks import check_accumulated, check_grads_are_leaves
 from shardopt.nn.data_parallel.owner_grads import OwnerGrads
-from shardopt.nn.data_parallel.reduction_queue import ReductionQueue
+from shardopt.nn.data_parallel.reduction_queue import PassThroughQueue, ReductionQueue
 from shardopt.nn.module_checks import refuse_sparse_modules
 from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
@@ -144,7 +144,8 @@ class ShardedDataParallel(nn.Module):
         self._grad_dtypes = {p.dtype: master for p in module.parameters() if master and needs_master(p.dtype, master)}
         self._wire_dtypes.update({d: reduce_dtype or m for d, m in self._grad_dtypes.items()})
         self._grads = OwnerGrads(self._grad_dtypes, self.rank, self._name_of)
-        self._queue = ReductionQueue([], self.process_group, self.rank, self.world_size, self._grads.receive)
+        self._queue: ReductionQueue | PassThroughQueue = ReductionQueue(
+            [], self.process_group, self.rank, self.world_size, self._grads.receive)
         self._should_sync = True
         self._hook_handles: list[Any] = []
         self._accumulators: list[Any] = []
@@ -183,7 +184,10 @@ class ShardedDataParallel(nn.Module):
             )
         specs = plan_buckets(trainable, [owners[p] for p in trainable], self.world_size,
                              self.reduce_buffer_size or _MIN_BUCKET_NUMEL, self._wire_dtypes, self._grad_dtypes)
-        self._queue = ReductionQueue(specs, self.process_group, self.rank, self.world_size, self._grads.receive)
+        if self.world_size == 1:  # Note [one rank passes gradients through] in reduction_queue
+            self._queue = PassThroughQueue(trainable, self._wire_dtypes, self._grad_dtypes, self._grads.receive)
+        else:
+            self._queue = ReductionQueue(specs, self.process_group, self.rank, self.world_size, self._grads.receive)
         # The engine holds AccumulateGrad nodes weakly: keep them, or the hooks die with them.
         self._accumulators = [get_gradient_edge(p).node for p in trainable]
         for p, accumulator in zip(trainable, self._accumulators):
