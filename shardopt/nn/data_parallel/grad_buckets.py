@@ -332,24 +332,33 @@ class GradBucket:
         self._pending, self._recv = None, []
         pending.wait()
         self._to(BucketState.EMPTY)
+        total: torch.Tensor | None = None
         try:
-            return self._reduced(recv, num_ranks)
+            reduced, total = self._reduced(recv, num_ranks)
+            return reduced
         finally:
-            # The transfer is complete; see Note [release scratch buffers] in shardopt.comm.
+            # The transfer is complete; see Note [release scratch buffers] in shardopt.comm. A
+            # piece the sum was made in now holds the owner's gradients and stays.
             for piece in recv + (self._send or []):
-                comm.release_storage(piece)
+                if piece is not total:
+                    comm.release_storage(piece)
             self._send = None
 
-    def _reduced(self, recv: list[torch.Tensor], num_ranks: int) -> list[Reduced]:
+    def _reduced(self, recv: list[torch.Tensor], num_ranks: int) -> tuple[list[Reduced], torch.Tensor | None]:
+        """The owner's sum of the received pieces, in rank order, and the tensor holding it.
+
+        Note [sum in place]: the sum is made in rank 0's received piece when it already has the
+        gradient dtype (no new buffer, no copy), else in one widened copy of it, the other rows
+        added in their wire dtype (a mixed-dtype add computes in the wider dtype, exactly as
+        widening each row first did, without a widened copy per row).
+        """
         mine = [k for k, owner in enumerate(self.spec.owners) if owner == self._rank]
         if not mine:
-            return []
+            return [], None
         grad_dtype = self.spec.grad_dtype
-        rows = [row if row.dtype == grad_dtype else row.to(grad_dtype) for row in recv]
-        # One pass for the first sum (no clone), then in place; rank order either way.
-        total = rows[0] + rows[1] if num_ranks > 1 else rows[0].clone()
-        for r in range(2, num_ranks):
-            total += rows[r]
+        total = recv[0] if recv[0].dtype == grad_dtype else recv[0].to(grad_dtype)
+        for r in range(1, num_ranks):
+            total.add_(recv[r])
         base = self.spec.offsets[mine[0]]
         out: list[Reduced] = []
         for k in mine:
@@ -362,4 +371,4 @@ class GradBucket:
             else:
                 flag = self.spec.flag_offsets[k] - base
                 out.append(Reduced(param, grad, total[flag : flag + 1]))
-        return out
+        return out, total
