@@ -226,6 +226,7 @@ class GradBucket:
         self._send: list[torch.Tensor] | None = None
         self._recv: list[torch.Tensor] = []
         self._pending: comm.PendingWork | None = None
+        self._spent: list[torch.Tensor] = []
         self._filled: set[int] = set()
         self._used_here: frozenset[int] = frozenset()
         # Where each parameter's gradient and flag sit inside its owner's piece.
@@ -254,8 +255,8 @@ class GradBucket:
     @property
     def holds_buffers(self) -> bool:
         """Whether the bucket holds send or receive pieces (only between its first gradient
-        of an iteration and :meth:`finish`)."""
-        return self._send is not None or bool(self._recv)
+        of an iteration and :meth:`finish`, or :meth:`release` when finish kept them)."""
+        return self._send is not None or bool(self._recv) or bool(self._spent)
 
     @property
     def complete(self) -> bool:
@@ -320,9 +321,10 @@ class GradBucket:
         self._filled.clear()
         self._to(BucketState.IN_FLIGHT)
 
-    def finish(self, num_ranks: int) -> list[Reduced]:
+    def finish(self, num_ranks: int, release: bool = True) -> list[Reduced]:
         """Wait for the all-to-all, then sum the received copies (rank order) into this rank's
-        reduced gradients and release the bucket's pieces.
+        reduced gradients and release the bucket's pieces (or, with ``release=False``, keep
+        them until :meth:`release`: Note [reductions on a side stream] in ``streams``).
 
         Returns:
             A :class:`Reduced` for each parameter this rank owns in the bucket.
@@ -337,12 +339,18 @@ class GradBucket:
             reduced, total = self._reduced(recv, num_ranks)
             return reduced
         finally:
-            # The transfer is complete; see Note [release scratch buffers] in shardopt.comm. A
-            # piece the sum was made in now holds the owner's gradients and stays.
-            for piece in recv + (self._send or []):
-                if piece is not total:
-                    comm.release_storage(piece)
+            # A piece the sum was made in now holds the owner's gradients and stays.
+            self._spent = [piece for piece in recv + (self._send or []) if piece is not total]
             self._send = None
+            if release:
+                self.release()
+
+    def release(self) -> None:
+        """Free the pieces of the last transfer (Note [release scratch buffers] in
+        shardopt.comm): only once no stream can still read them."""
+        for piece in self._spent:
+            comm.release_storage(piece)
+        self._spent = []
 
     def _reduced(self, recv: list[torch.Tensor], num_ranks: int) -> tuple[list[Reduced], torch.Tensor | None]:
         """The owner's sum of the received pieces, in rank order, and the tensor holding it.

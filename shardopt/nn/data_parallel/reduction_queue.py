@@ -23,6 +23,7 @@ from torch import nn
 
 from shardopt import comm
 from shardopt.nn.data_parallel.grad_buckets import BucketSpec, GradBucket, Reduced
+from shardopt.nn.data_parallel.streams import HostStreams, StreamOps
 
 __all__ = ["MAX_BYTES_IN_FLIGHT", "PassThroughQueue", "Receiver", "ReductionQueue"]
 
@@ -60,10 +61,12 @@ class ReductionQueue:
         rank: this process's rank in ``group``.
         world_size: ranks in ``group``.
         receive: where each reduced gradient this rank owns goes.
+        streams: the stream operations (Note [reductions on a side stream] in ``streams``;
+            default none: host order).
     """
 
     def __init__(self, specs: Sequence[BucketSpec], group: comm.ProcessGroup | None, rank: int, world_size: int,
-                 receive: Receiver) -> None:
+                 receive: Receiver, streams: StreamOps | None = None) -> None:
         self.buckets = [GradBucket(spec, rank, 1.0 / world_size) for spec in specs]
         """Every bucket, in launch order."""
         self._bucket_of: dict[nn.Parameter, GradBucket] = {p: b for b in self.buckets for p in b.spec.params}
@@ -75,6 +78,10 @@ class ReductionQueue:
         self._bytes_in_flight = 0
         self._callback_queued = False
         self._undecided: list[tuple[Reduced, torch.dtype]] = []
+        self._streams = streams or HostStreams()
+        self._main: object = None  # the compute stream of the current iteration
+        self._unjoined: list[GradBucket] = []  # summed on the side stream, pieces kept
+        self._last_done: object = None
 
     @property
     def busy(self) -> bool:
@@ -109,32 +116,61 @@ class ReductionQueue:
                     bucket.add(param, grad)
             self._launch(bucket)
         while self._in_flight:
-            self._finish(self._in_flight.popleft())
+            self._finish(self._in_flight.popleft(), retire=False)
+        self._join()
         self._decide()
         self.reset()
 
     def reset(self) -> None:
         """Start a new iteration: nothing launched, no callback queued, nothing undecided."""
+        self._join()
         self._next_launch = 0
         self._callback_queued = False
         self._undecided.clear()
 
     def _launch(self, bucket: GradBucket) -> None:
-        bucket.launch(self._group, self._world_size)
+        streams = self._streams
+        self._main = streams.current()
+        streams.wait_stream(streams.side, self._main)  # the copy-ins and flags are queued
+        with streams.use(streams.side):
+            bucket.launch(self._group, self._world_size)
         self._in_flight.append(bucket)
         self._bytes_in_flight += bucket.nbytes
         self._next_launch += 1
         while len(self._in_flight) > 1 and self._bytes_in_flight > MAX_BYTES_IN_FLIGHT:
-            self._finish(self._in_flight.popleft())  # Note [reductions in flight]
+            self._finish(self._in_flight.popleft(), retire=True)  # Note [reductions in flight]
 
-    def _finish(self, bucket: GradBucket) -> None:
-        reduced = bucket.finish(self._world_size)
+    def _finish(self, bucket: GradBucket, retire: bool) -> None:
+        """Sum ``bucket`` and hand its gradients over, on the side stream; free its pieces now
+        when there is no side stream, else after the compute stream waited for it: now when
+        ``retire`` (over the byte budget), else at the join (Note [reductions on a side
+        stream] in ``streams``)."""
+        streams = self._streams
+        with streams.use(streams.side):
+            reduced = bucket.finish(self._world_size, release=streams.side is None)
+            for item in reduced:
+                if item.used is None:
+                    self._receive(item.param, item.grad, bucket.spec.grad_dtype)
+                else:
+                    self._undecided.append((item, bucket.spec.grad_dtype))
+            done = streams.record_event(streams.side)
         self._bytes_in_flight -= bucket.nbytes
-        for item in reduced:
-            if item.used is None:
-                self._receive(item.param, item.grad, bucket.spec.grad_dtype)
-            else:
-                self._undecided.append((item, bucket.spec.grad_dtype))
+        if streams.side is None:
+            return
+        if retire:
+            streams.wait_event(self._main, done)
+            bucket.release()
+        else:
+            self._unjoined.append(bucket)
+            self._last_done = done
+
+    def _join(self) -> None:
+        """The compute stream waits once for the last reduction; then the kept pieces go."""
+        if self._unjoined:
+            self._streams.wait_event(self._main, self._last_done)
+            for bucket in self._unjoined:
+                bucket.release()
+            self._unjoined.clear()
 
     def _decide(self) -> None:
         """Hand over the gradients of the owned parameters this rank did not use: one host

@@ -29,6 +29,7 @@ from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
 from shardopt.nn.data_parallel.gradient_checks import check_accumulated, check_grads_are_leaves
 from shardopt.nn.data_parallel.owner_grads import OwnerGrads
 from shardopt.nn.data_parallel.reduction_queue import PassThroughQueue, ReductionQueue
+from shardopt.nn.data_parallel.streams import streams_for
 from shardopt.nn.module_checks import refuse_sparse_modules
 from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
@@ -187,7 +188,9 @@ class ShardedDataParallel(nn.Module):
         if self.world_size == 1:  # Note [one rank passes gradients through] in reduction_queue
             self._queue = PassThroughQueue(trainable, self._wire_dtypes, self._grad_dtypes, self._grads.receive)
         else:
-            self._queue = ReductionQueue(specs, self.process_group, self.rank, self.world_size, self._grads.receive)
+            device = trainable[0].device if trainable else torch.device("cpu")
+            self._queue = ReductionQueue(specs, self.process_group, self.rank, self.world_size, self._grads.receive,
+                                         streams_for(device, self.process_group))
         # The engine holds AccumulateGrad nodes weakly: keep them, or the hooks die with them.
         self._accumulators = [get_gradient_edge(p).node for p in trainable]
         for p, accumulator in zip(trainable, self._accumulators):
