@@ -177,3 +177,42 @@ def _meta_on_nccl(rank: int, world_size: int) -> str:
 
 def test_meta_module_materialises_on_the_current_cuda_device_under_nccl() -> None:
     assert run_ranks(_meta_on_nccl, 1, backend="nccl") == ["cuda:0"]
+
+
+def _no_sync_in_step(rank: int, world_size: int) -> dict[str, str]:
+    """torch's sync debug mode set to "error" around ZeRO-2's backward and step at one NCCL
+    rank, fp32 and bf16 with fp32 masters (Note [host reads per step] in grad_buckets)."""
+    dev = torch.device("cuda", rank)
+    out: dict[str, str] = {}
+    for precision in ("fp32", "bf16-master"):
+        model = seeded_mlp().to(dev)
+        kwargs: dict[str, Any] = {}
+        if precision == "bf16-master":
+            model = model.to(torch.bfloat16)
+            kwargs["master_dtype"] = torch.float32
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-2, **kwargs)
+        sdp = ShardedDataParallel(model, opt)
+        outcome = "ok"
+        for step in range(3):
+            x = rank_batch(rank, step).to(dev, next(model.parameters()).dtype)
+            opt.zero_grad()
+            loss = sdp(x).float().pow(2).mean()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss.backward()
+                if step > 0:  # the first step compares masters with their parameters once
+                    opt.step()
+            except RuntimeError as error:
+                outcome = f"step {step}: {error}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            if step == 0:
+                opt.step()
+        out[precision] = outcome
+        sdp.close()
+    return out
+
+
+def test_zero2_backward_and_step_never_synchronise_the_host_at_one_nccl_rank() -> None:
+    (out,) = run_ranks(_no_sync_in_step, 1, backend="nccl", timeout_s=240)
+    assert out == {"fp32": "ok", "bf16-master": "ok"}, out
