@@ -22,7 +22,9 @@ complete on time:
   :class:`~shardopt.failures.CollectiveError` naming that rank, where it is and the likely
   cause, and reports it on the failure board so every other waiting rank ends too;
 * a peer whose heartbeat has not moved for :data:`STALE_S` stopped progressing (SIGSTOP,
-  a frozen machine): it is named with its last known collective.
+  a frozen machine): it is named with its last known collective (the last one its last
+  beat carried: up to :data:`BEAT_S` old, as writing on every launch would cost a store
+  write per collective).
 
 A peer that is alive and not (yet) in a collective is slow, not wrong: the wait goes on.
 Sequence numbers of peers in different collectives agree, because a point-to-point

@@ -120,11 +120,19 @@ def _no_data_on_one_rank(rank: int, path: str) -> None:
 
 
 def _lbfgs_closure(rank: int, path: str) -> None:
-    sdp, opt = _sdp(rank, optim=torch.optim.LBFGS, lr=1.0, max_iter=20)
+    # Each rank's LBFGS sees only the parameters it owns. With the last layer zeroed, the
+    # middle weight (the only parameter rank 0 owns at 2 ranks) gets a zero gradient, so
+    # rank 0's LBFGS stops after one evaluation while rank 1's evaluates the closure again.
+    model = seeded_mlp()
+    with torch.no_grad():
+        model[4].weight.zero_()
+        model[4].bias.zero_()
+    opt = OSS(model.parameters(), optim=torch.optim.LBFGS, lr=1.0, max_iter=20)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=0)
     for step in range(3):
         def closure() -> float:
             opt.zero_grad()
-            loss = (sdp(rank_batch(rank, step)) ** 2).sum() * (1.0 + 10 * rank)
+            loss = sdp(rank_batch(rank, step)).sum()
             loss.backward()
             return float(loss)
         opt.step(closure)
@@ -153,25 +161,31 @@ def _fsdp_state_dict_on_rank0_only(rank: int, path: str) -> None:
         opt.zero_grad()
 
 
-SCENARIOS: dict[str, Callable[[int, str], None]] = {
-    "step on one rank only": _step_on_one_rank,
-    "step twice on one rank": _step_twice_on_one_rank,
-    "backward skipped on one rank": _backward_skipped,
-    "uneven data then a collective save": _uneven_data_then_save,
-    "no_sync on one rank only": _no_sync_on_one_rank,
-    "save_consolidated on rank 0 only": _save_on_rank0_only,
-    "freezing on one rank only": _freeze_on_one_rank,
-    "no data on one rank": _no_data_on_one_rank,
-    "LBFGS with a closure": _lbfgs_closure,
-    "ZeRO-3 forward on rank 0 only": _fsdp_forward_on_rank0_only,
-    "ZeRO-3 state_dict() on rank 0 only": _fsdp_state_dict_on_rank0_only,
+STEP_HINT = "step() ran on one rank only or twice on one rank, backward was skipped on one rank"
+SAVE_HINT = "a save, state_dict() or summon_full_params() ran on some ranks only, or a rank ran out of data first?"
+# name: (scenario, the likely cause the message must give)
+SCENARIOS: dict[str, tuple[Callable[[int, str], None], str]] = {
+    "step on one rank only": (_step_on_one_rank, STEP_HINT),
+    "step twice on one rank": (_step_twice_on_one_rank, STEP_HINT),
+    "backward skipped on one rank": (_backward_skipped, STEP_HINT),
+    "uneven data then a collective save": (_uneven_data_then_save, SAVE_HINT),
+    "no_sync on one rank only": (_no_sync_on_one_rank, STEP_HINT),
+    "save_consolidated on rank 0 only": (_save_on_rank0_only, SAVE_HINT),
+    "freezing on one rank only": (_freeze_on_one_rank, "a change of the trainable parameters (requires_grad set on "
+                                  "some ranks only)"),
+    "no data on one rank": (_no_data_on_one_rank, SAVE_HINT),
+    "LBFGS with a closure": (_lbfgs_closure, "an optimizer closure (e.g. LBFGS) ran backward a different number"),
+    "ZeRO-3 forward on rank 0 only": (_fsdp_forward_on_rank0_only, "a forward (e.g. evaluation) or backward ran on "
+                                      "one rank only? Run it on every rank, or read the full parameters with "
+                                      "summon_full_params() called on every rank"),
+    "ZeRO-3 state_dict() on rank 0 only": (_fsdp_state_dict_on_rank0_only, SAVE_HINT),
 }
 
 
 def _run(rank: int, world_size: int, path: str, name: str) -> None:
     start = time.monotonic()
     try:
-        SCENARIOS[name](rank, path)
+        SCENARIOS[name][0](rank, path)
         values: dict[str, Any] = {"error": None}
     except BaseException as exc:
         values = {"error": str(exc), "kind": type(exc).__name__}
@@ -187,6 +201,47 @@ def test_ranks_running_different_programs_are_named_within_seconds(tmp_path: Pat
         run_ranks(_run, 2, str(tmp_path), name, timeout_s=GROUP_TIMEOUT_S)
     for rank in range(2):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        print(name, rank, seen)
-        assert seen["error"] is not None, (rank, seen)
+        assert seen["kind"] == "CollectiveError", (rank, seen)
+        assert seen["error"].startswith(f"[rank {rank}] "), (rank, seen)
+        # Each rank names the other and where it is, itself or through the other's report.
+        assert f"rank {1 - rank} is in " in seen["error"] or f"rank {1 - rank} failed: " in seen["error"], seen
+        assert "the ranks run different programs" in seen["error"], (rank, seen)
+        assert SCENARIOS[name][1] in seen["error"], (rank, seen)
         assert seen["seconds"] < BOUND_S, (rank, seen)
+
+
+def _stopped_peer(rank: int, world_size: int, path: str) -> None:
+    sdp, opt = _sdp(rank)
+    _train(sdp, opt, rank, 0)
+    if rank == 1:
+        time.sleep(2 * flight.BEAT_S)  # a beat after the last collective (beats lag by up to BEAT_S)
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen, never resumed (run_ranks kills it)
+    start = time.monotonic()
+    try:
+        _train(sdp, opt, rank, 1)
+    except comm.CollectiveError as exc:
+        Path(path, "rank0.json").write_text(json.dumps({"error": str(exc), "seconds": time.monotonic() - start}))
+        raise
+
+
+def test_a_stopped_rank_is_named_with_its_last_collective_after_the_heartbeat_bound(tmp_path: Path) -> None:
+    with pytest.raises(RankFailure):
+        run_ranks(_stopped_peer, 2, str(tmp_path), timeout_s=GROUP_TIMEOUT_S)
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert "rank 1 stopped progressing: its heartbeat has not moved for" in seen["error"], seen
+    assert "its last known collective is OSS's parameter gather after the step #" in seen["error"], seen
+    assert seen["seconds"] < flight.GRACE_S + flight.STALE_S + BOUND_S, seen
+
+
+def _slow_peer(rank: int, world_size: int) -> float:
+    sdp, opt = _sdp(rank)
+    _train(sdp, opt, rank, 0)
+    if rank == 1:
+        time.sleep(flight.GRACE_S + 3.0)  # busy outside any collective, alive: past the grace
+    _train(sdp, opt, rank, 1)
+    return float(next(sdp.module.parameters()).sum())
+
+
+def test_a_slow_but_alive_rank_is_waited_for_not_an_error() -> None:
+    first, second = run_ranks(_slow_peer, 2, timeout_s=GROUP_TIMEOUT_S)
+    assert first == second
