@@ -45,21 +45,6 @@ device work that produced it has finished) and each receive lands in a host tens
 copies are summed, in which order) is the CPU path's, so results match it bit for bit.
 NCCL never takes this path.
 
-Note [waiting beside the work]
-A gloo wait cannot be sliced with a timeout: for a point-to-point transfer a timed wait that
-runs out closes the TCP pair ("Application timeout caused pair closure" on the next wait),
-so any peer more than one slice late broke the step (seen on an H100 machine, where spawned
-ranks start seconds apart, and reproduced on a CPU with a peer 1.6 s late). So one daemon
-thread per process blocks in torch's ``wait()`` (which releases the GIL), in issue order,
-and the caller waits on its event in slices of ``WATCH_SLICE_S``, reading the failure
-board between them. A peer that is merely late costs nothing; one that reported a failure
-ends the wait within a slice. After such an error the thread may stay blocked in a wait
-that can never complete; it holds only that work and dies with the process. Cost: one
-thread handoff per wait, tens of microseconds. The thread drops its reference to the work
-before it wakes the caller, and holds none while idle: keeping the last one bound until the
-next job kept the last collective's buffers alive (one-unit ZeRO-3 on the 27M GPT at 2
-ranks held 440 MiB per rank after a step instead of 181 MiB; tests/test_buffer_release.py).
-
 Note [release scratch buffers]
 When ``work.wait()`` returns, the backend's worker thread may still hold its reference to
 the buffers for a moment (gloo drops it after signalling completion), so letting the last
@@ -75,9 +60,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-import os
-import queue
-import threading
 import time
 import zlib
 from datetime import timedelta
@@ -86,7 +68,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardopt import failures, flight
+from shardopt import failures, flight, waiting
 from shardopt.failures import CollectiveError
 
 __all__ = [
@@ -168,11 +150,8 @@ class PendingWork:
 
     def position(self) -> flight.Position:
         """Where this rank waits, for the flight recorder."""
-        sends: dict[int, int] = {}
-        recvs: dict[int, int] = {}
         work = self.work._pending.work if isinstance(self.work, _SumRows) else self.work
-        if isinstance(work, _AllOf):
-            sends, recvs = work.send_bytes, work.recv_bytes
+        sends, recvs = (work.send_bytes, work.recv_bytes) if isinstance(work, _AllOf) else ({}, {})
         ranks = tuple(range(dist.get_world_size())) if self.group in (None, dist.group.WORLD) else tuple(
             dist.get_process_group_ranks(self.group))
         return flight.Position(self.label, self.seq, ranks, sends, recvs, self.size, time.time(), self.partner)
@@ -189,84 +168,17 @@ def _is_gloo(group: ProcessGroup | None) -> bool:
 
 report_failure = failures.report_failure
 
-class _Waiter:
-    """A daemon thread that blocks in torch's ``wait()`` for this process, so the caller can
-    wait in slices and watch the failure board (Note [waiting beside the work])."""
-
-    def __init__(self) -> None:
-        self._pid = -1
-        self._queue: queue.SimpleQueue[tuple[Any, _Ticket]] = queue.SimpleQueue()
-
-    def submit(self, work: Any) -> _Ticket:
-        """Queue ``work`` (anything with ``wait()``) behind the earlier ones; its ticket is set when done."""
-        if self._pid != os.getpid():  # first use, or a forked child: the thread is not here
-            self._pid, self._queue = os.getpid(), queue.SimpleQueue()
-            threading.Thread(target=self._run, args=(self._queue,), name="shardopt-wait", daemon=True).start()
-        ticket = _Ticket()
-        self._queue.put((work, ticket))
-        return ticket
-
-    @staticmethod
-    def _run(jobs: queue.SimpleQueue[tuple[Any, _Ticket]]) -> None:
-        while True:
-            work, ticket = jobs.get()
-            error: BaseException | None = None
-            try:
-                work.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                error = exc
-            # Drop the work (and the buffers it holds) before the caller wakes, and do not
-            # keep it bound while blocked in the next get() (Note [waiting beside the work]).
-            del work
-            ticket.error = error
-            ticket.done.set()
-            del ticket, error
-
-
-@dataclass
-class _Ticket:
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-
-_WAITER = _Waiter()
-
 
 def _wait_work(record: PendingWork) -> None:
-    """Wait for ``record``'s work; on gloo beside it, reading the failure board every slice
-    (Note [failure board] in ``failures``) and, once the wait outlasts the grace, the other
-    ranks' positions (Note [flight recorder] in ``flight``). Any failure becomes a
-    :class:`CollectiveError`."""
-    label = record.label
-    if not record.watched:
-        try:
-            record.work.wait()
-        except RuntimeError as exc:
-            raise failures.collective_error(label, exc) from exc
-        return
-    ticket = _WAITER.submit(record.work)
-    watch: flight.Watch | None = None
-    started = time.monotonic()
+    """Wait for ``record``'s work: on gloo beside it, watched (Note [waiting beside the work]
+    in ``waiting``). Any failure becomes a :class:`CollectiveError`."""
+    if record.watched:
+        return waiting.wait_beside(record.work, record.label, record.position if max(record.seq, record.partner) >= 0
+                                   else None)
     try:
-        while not ticket.done.wait(failures.WATCH_SLICE_S):
-            if failures.any_reported():
-                raise failures.collective_error(label, "another rank reported a failure")
-            if record.seq < 0 and record.partner < 0:
-                continue
-            if watch is None and time.monotonic() - started >= flight.GRACE_S:
-                watch = flight.Watch(record.position())
-            why = watch.problem() if watch is not None else None
-            if why:
-                error = CollectiveError(dist.get_rank(), label, {}, [], "", why=why)
-                failures.report_failure(str(error))
-                raise error
-    finally:
-        if watch is not None:
-            watch.close()
-    if ticket.error is not None:
-        if not isinstance(ticket.error, RuntimeError):
-            raise ticket.error
-        raise failures.collective_error(label, ticket.error) from ticket.error
+        record.work.wait()
+    except RuntimeError as exc:
+        raise failures.collective_error(record.label, exc) from exc
 
 
 @contextmanager
@@ -282,16 +194,6 @@ def _launch(label: str) -> Iterator[None]:
             raise failures.collective_error(label, exc) from exc
 
 
-class _Call:
-    """A blocking call run on the wait thread, so that its wait is watched like any other."""
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self._call: Callable[[], Any] | None = call
-
-    def wait(self) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            call()
 
 
 def _blocking(label: str, group: ProcessGroup | None, call: Callable[[], Any], partner: int = -1) -> None:
@@ -305,7 +207,7 @@ def _blocking(label: str, group: ProcessGroup | None, call: Callable[[], Any], p
         except RuntimeError as exc:
             raise failures.collective_error(label, exc) from exc
         return
-    PendingWork(label, _Call(call), watched=True, seq=seq, group=group,
+    PendingWork(label, waiting.Call(call), watched=True, seq=seq, group=group,
                 partner=_global(group, partner) if partner >= 0 else -1).wait()
 
 
@@ -387,14 +289,8 @@ def _on_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else torch.empty(tensor.shape, dtype=tensor.dtype)
 
 
-def _post(
-    sends: Iterable[tuple[torch.Tensor, int]],
-    recvs: Iterable[tuple[torch.Tensor, int]],
-    group: ProcessGroup | None,
-    base_tag: int,
-    label: str,
-    seq: int,
-) -> _AllOf:
+def _post(sends: Iterable[tuple[torch.Tensor, int]], recvs: Iterable[tuple[torch.Tensor, int]],
+          group: ProcessGroup | None, base_tag: int, label: str, seq: int) -> _AllOf:
     """Post every receive, then every send (group ranks); empty tensors are skipped. Device
     tensors travel through host copies (Note [device tensors on gloo]). Each message's tag
     depends on the collective and its byte count (:func:`_tag`)."""

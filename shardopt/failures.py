@@ -15,7 +15,7 @@ every rank already shares):
   or is stuck elsewhere);
 * on gloo, :class:`~shardopt.comm.PendingWork` waits in slices of
   :data:`WATCH_SLICE_S` beside a thread blocked in the backend's wait (Note [waiting
-  beside the work] in ``comm``) and reads the board's counter between slices, so a rank
+  beside the work] in ``waiting``) and reads the board's counter between slices, so a rank
   waiting on a peer that reported a failure ends within a slice, not the group timeout.
 
 The resulting :class:`CollectiveError` names this rank, the shardopt operation (from the

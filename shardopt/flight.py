@@ -14,7 +14,7 @@ complete on time:
 * a daemon thread per process (:class:`_Heartbeat`) bumps ``shardopt/beat/<rank>`` in the
   default group's store every :data:`BEAT_S` seconds, with the last collective launched;
 * a gloo wait (which already runs in slices beside the work, Note [waiting beside the work]
-  in ``comm``) that lasts longer than :data:`GRACE_S` publishes this rank's position
+  in ``waiting``) that lasts longer than :data:`GRACE_S` publishes this rank's position
   (``shardopt/flight/<rank>``: label, sequence number, group, sizes, since when) and from
   then on reads the other ranks' positions every slice (:class:`Watch`);
 * a peer of the same group that waits at the same sequence number in another collective,

@@ -41,8 +41,9 @@ from shardopt import comm
 from shardopt.nn.fsdp.flat_param import ParamSlot
 from shardopt.nn.fsdp.records import TrainingState
 from shardopt.nn.fsdp.unit import Unit
+from shardopt.state_checks import check_model_state, dtypes, shapes
 
-__all__ = ["WRAPPED", "ParentLoad", "clean_name", "load_sharded", "local_piece", "piece_tensor", "sharded_state"]
+__all__ = ["WRAPPED", "ParentLoad", "check_loadable", "clean_name", "load_sharded", "local_piece", "piece_tensor", "sharded_state"]
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute under which a wrapper holds its module (one level in raw parameter names)."""
@@ -51,6 +52,19 @@ WRAPPED = "_fsdp_wrapped_module"
 def clean_name(name: str) -> str:
     """A parameter/buffer name without the wrapper levels FSDP inserted."""
     return name.replace(WRAPPED + ".", "")
+
+
+def check_loadable(full: dict[str, Any], given: dict[str, Any], strict: bool) -> None:
+    """Every name (with ``strict``), shape and dtype of a full state dict before the first
+    write: ``nn.Module.load_state_dict`` copies what fits and raises afterwards, which would
+    leave a half-loaded model.
+
+    Raises:
+        ValueError: ``given`` does not fit ``full`` (nothing was written).
+    """
+    full, given = ({clean_name(k): v for k, v in d.items()} for d in (full, given))
+    check_model_state("(the state dict passed to load_state_dict)", shapes(full), shapes(given), dtypes(full),
+                      dtypes(given), strict=strict)
 
 
 def local_piece(value: ShardedTensor, param: torch.Tensor, what: str, fix: str) -> torch.Tensor:
