@@ -138,12 +138,12 @@ class _Heartbeat:
         count = 0
         while True:
             store = failures.default_store()
-            if store is not None and dist.is_initialized():
+            if store is not None:
                 count += 1
                 label, seq = _last
                 try:
                     store.set(f"{_BEAT}{dist.get_rank()}", f"{count}|{seq}|{label}")
-                except Exception:  # the store went with a peer or the group was destroyed
+                except Exception:  # the store went with a peer, or the group was destroyed
                     pass
             time.sleep(BEAT_S)
 

@@ -113,6 +113,10 @@ def _every_entry_point(rank: int, world_size: int, folder: str) -> dict[str, tup
     out["FSDP.load_state_dict"] = _attempt(fsdp, fsdp_opt, lambda: fsdp.load_state_dict(wide_full))
     out["FSDP.load_state_dict, other model"] = _attempt(fsdp, fsdp_opt, lambda: fsdp.load_state_dict(other_full))
     out["FSDP.load_state_dict, complex"] = _attempt(fsdp, fsdp_opt, lambda: fsdp.load_state_dict(complex_full))
+    other_sharded = FSDP(seeded_mlp(seed=7)).sharded_state_dict()  # same layout, other values...
+    other_sharded[list(other_sharded)[-1]] = torch.zeros(3)  # ...and one entry that does not fit
+    out["FSDP.load_sharded_state_dict"] = _attempt(fsdp, fsdp_opt,
+                                                   lambda: fsdp.load_sharded_state_dict(other_sharded))
     return out
 
 
@@ -127,6 +131,7 @@ EXPECTED = {
     "FSDP.load_state_dict": "'0.weight' has shape (24, 8) in the checkpoint but (16, 8) in the model",
     "FSDP.load_state_dict, other model": "this file is from a different model",
     "FSDP.load_state_dict, complex": "'0.weight' is torch.complex64 in the checkpoint but torch.float32",
+    "FSDP.load_sharded_state_dict": "the sharded state dict does not fit this model (e.g. a piece of shape (3,)",
 }
 
 

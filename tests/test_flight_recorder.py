@@ -183,6 +183,7 @@ SCENARIOS: dict[str, tuple[Callable[[int, str], None], str]] = {
 
 
 def _run(rank: int, world_size: int, path: str, name: str) -> None:
+    """Run scenario ``name`` and write what it raised (message, seconds) for the parent."""
     start = time.monotonic()
     try:
         SCENARIOS[name][0](rank, path)
@@ -207,6 +208,17 @@ def test_ranks_running_different_programs_are_named_within_seconds(tmp_path: Pat
         assert f"rank {1 - rank} is in " in seen["error"] or f"rank {1 - rank} failed: " in seen["error"], seen
         assert "the ranks run different programs" in seen["error"], (rank, seen)
         assert SCENARIOS[name][1] in seen["error"], (rank, seen)
+        assert seen["seconds"] < BOUND_S, (rank, seen)
+
+
+def test_three_ranks_with_step_on_one_rank_only_all_end_named(tmp_path: Path) -> None:
+    # Ranks 1 and 2 agree with each other and disagree with rank 0: every rank ends, named.
+    with pytest.raises(RankFailure):
+        run_ranks(_run, 3, str(tmp_path), "step on one rank only", timeout_s=GROUP_TIMEOUT_S)
+    for rank in range(3):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["kind"] == "CollectiveError" and "the ranks run different programs" in seen["error"], seen
+        assert "OSS's parameter gather after the step" in seen["error"], seen
         assert seen["seconds"] < BOUND_S, (rank, seen)
 
 
@@ -242,6 +254,7 @@ def _slow_peer(rank: int, world_size: int) -> float:
     return float(next(sdp.module.parameters()).sum())
 
 
-def test_a_slow_but_alive_rank_is_waited_for_not_an_error() -> None:
-    first, second = run_ranks(_slow_peer, 2, timeout_s=GROUP_TIMEOUT_S)
-    assert first == second
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_slow_but_alive_rank_is_waited_for_not_an_error(world_size: int) -> None:
+    results = run_ranks(_slow_peer, world_size, timeout_s=GROUP_TIMEOUT_S)
+    assert results == [results[0]] * world_size
