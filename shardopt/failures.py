@@ -84,8 +84,10 @@ class CollectiveError(RuntimeError):
                    + " without a report: it exited, was killed or is stuck outside this collective")
         else:
             why = "a rank reported an error in the same collective"
-        super().__init__(f"[rank {rank}] {what} did not complete: {why}. Backend said: {cause}"
-                         + (f". {hint}" if hint else ""))
+        # Once a rank has said why it failed, the transport's words for the broken connection
+        # ("Connection closed by peer") add nothing.
+        said = "" if failed or not cause else f". Backend said: {cause}"
+        super().__init__(f"[rank {rank}] {what} did not complete: {why}{said}" + (f". {hint}" if hint else ""))
         self.rank, self.label, self.failed, self.left, self.cause = rank, label, failed, left, cause
 
     def with_hint(self, hint: str) -> CollectiveError:

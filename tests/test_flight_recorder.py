@@ -258,3 +258,26 @@ def _slow_peer(rank: int, world_size: int) -> float:
 def test_a_slow_but_alive_rank_is_waited_for_not_an_error(world_size: int) -> None:
     results = run_ranks(_slow_peer, world_size, timeout_s=GROUP_TIMEOUT_S)
     assert results == [results[0]] * world_size
+
+
+def _sizes_differ(rank: int, world_size: int, path: str) -> None:
+    n = 4 if rank == 0 else 8  # e.g. a parameter frozen on one rank only changed a bucket
+    start = time.monotonic()
+    try:
+        comm.exchange([(torch.ones(n), 1 - rank)], [(torch.empty(n), 1 - rank)], None,
+                      "shardopt::sdp::reduce::bucket0").wait()
+    finally:
+        Path(path, f"rank{rank}.txt").write_text(f"{time.monotonic() - start}")
+
+
+def test_the_same_collective_with_other_sizes_is_named_not_a_gloo_abort(tmp_path: Path) -> None:
+    # Before, the two messages met under one tag and gloo aborted rank 0 (SIGABRT, "Received
+    # data size doesn't match expected size. 32 vs 16"); now their tags differ and the sizes
+    # are named.
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_sizes_differ, 2, str(tmp_path), timeout_s=GROUP_TIMEOUT_S)
+    assert "is in the same collective (ShardedDataParallel's gradient reduction of bucket 0 #0) with other sizes" \
+        in str(info.value), info.value
+    assert "the ranks' models or settings differ" in str(info.value)
+    for rank in range(2):
+        assert float((tmp_path / f"rank{rank}.txt").read_text()) < BOUND_S
