@@ -18,9 +18,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from torch import nn
 
 from shardopt import checkpoint, comm, flight
 from shardopt.nn import FullyShardedDataParallel as FSDP
+from shardopt.nn.fsdp import ModuleClassPolicy
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import RankFailure, run_ranks
@@ -138,8 +140,8 @@ def _lbfgs_closure(rank: int, path: str) -> None:
         opt.step(closure)
 
 
-def _fsdp_forward_on_rank0_only(rank: int, path: str) -> None:
-    model = FSDP(seeded_mlp())
+def _fsdp_forward_on_rank0_only(rank: int, path: str, per_layer: bool = False) -> None:
+    model = FSDP(seeded_mlp(), auto_wrap_policy=ModuleClassPolicy((nn.Linear,)) if per_layer else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if rank == 0:
         with torch.no_grad():
@@ -150,8 +152,8 @@ def _fsdp_forward_on_rank0_only(rank: int, path: str) -> None:
         opt.zero_grad()
 
 
-def _fsdp_state_dict_on_rank0_only(rank: int, path: str) -> None:
-    model = FSDP(seeded_mlp())
+def _fsdp_state_dict_on_rank0_only(rank: int, path: str, per_layer: bool = False) -> None:
+    model = FSDP(seeded_mlp(), auto_wrap_policy=ModuleClassPolicy((nn.Linear,)) if per_layer else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if rank == 0:
         model.state_dict()
@@ -179,6 +181,11 @@ SCENARIOS: dict[str, tuple[Callable[[int, str], None], str]] = {
                                       "one rank only? Run it on every rank, or read the full parameters with "
                                       "summon_full_params() called on every rank"),
     "ZeRO-3 state_dict() on rank 0 only": (_fsdp_state_dict_on_rank0_only, SAVE_HINT),
+    # Units of different sizes: before, messages of two units could meet under one tag.
+    "ZeRO-3 forward on rank 0 only, per-layer units": (
+        lambda rank, path: _fsdp_forward_on_rank0_only(rank, path, per_layer=True), "FullyShardedDataParallel"),
+    "ZeRO-3 state_dict() on rank 0 only, per-layer units": (
+        lambda rank, path: _fsdp_state_dict_on_rank0_only(rank, path, per_layer=True), "FullyShardedDataParallel"),
 }
 
 
