@@ -155,8 +155,9 @@ def _likely_cause(mine: str, theirs: str) -> str:
     """The usual reason two ranks are in these two collectives, with the fix."""
     pair = {"::".join(label.split("::")[1:3]) for label in (mine, theirs)}
     if len(pair) == 1 and mine.startswith("shardopt::fsdp::"):  # one phase, two units
-        return ("the ranks ran different FSDP units in one step: every rank must run the same units in the same "
-                "order (a unit skipped on some ranks by data-dependent control flow?)")
+        return ("the ranks ran different FSDP units: every rank must run the same units in the same order (a forward, "
+                "e.g. evaluation, run on some ranks only, or a unit skipped by data-dependent control flow? Run it on "
+                "every rank, or read the full parameters with summon_full_params() called on every rank)")
     if pair & {"oss::param_gather"} and pair & {"sdp::reduce"}:
         return ("step() ran on one rank only or twice on one rank, backward was skipped on one rank, no_sync was "
                 "used on one rank only, or an optimizer closure (e.g. LBFGS) ran backward a different number of times "

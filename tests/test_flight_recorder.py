@@ -183,7 +183,8 @@ SCENARIOS: dict[str, tuple[Callable[[int, str], None], str]] = {
     "ZeRO-3 state_dict() on rank 0 only": (_fsdp_state_dict_on_rank0_only, SAVE_HINT),
     # Units of different sizes: before, messages of two units could meet under one tag.
     "ZeRO-3 forward on rank 0 only, per-layer units": (
-        lambda rank, path: _fsdp_forward_on_rank0_only(rank, path, per_layer=True), "FullyShardedDataParallel"),
+        lambda rank, path: _fsdp_forward_on_rank0_only(rank, path, per_layer=True),
+        "a forward, e.g. evaluation, run on some ranks only"),
     "ZeRO-3 state_dict() on rank 0 only, per-layer units": (
         lambda rank, path: _fsdp_state_dict_on_rank0_only(rank, path, per_layer=True), "FullyShardedDataParallel"),
 }
