@@ -44,17 +44,20 @@ LEVELS: dict[str, int] = {
     # pure helpers, no shardopt imports
     "shardopt.failures": 0, "shardopt.files": 0, "shardopt.memory": 0, "shardopt.partition": 0,
     "shardopt.placeholders": 0, "shardopt.state_checks": 0,
+    # where each rank is in its collectives (the flight recorder), and the waits that read it
+    "shardopt.flight": 1,
+    "shardopt.waiting": 2,
     # the one module of collectives, and the test launcher
-    "shardopt.comm": 1, "shardopt.testing": 1,
+    "shardopt.comm": 3, "shardopt.testing": 3,
     # what both the optimizers and the wrappers use
-    "shardopt.agreement": 2, "shardopt.checkpoint": 2, "shardopt.clipping": 2,
-    "shardopt.optim": 3,  # ZeRO-1
-    "shardopt.nn": 4,  # what both wrappers share (nn/module_checks.py)
-    "shardopt.nn.data_parallel": 5, "shardopt.nn.fsdp": 5,  # ZeRO-2 and ZeRO-3: neither imports the other
-    "shardopt": 6,  # the package's re-exports
-    "shardopt.integrations": 7,  # Lightning, Hugging Face: above the library
-    "shardopt.app": 8,  # the ``shardopt`` command
-    ENTRY: 9,
+    "shardopt.agreement": 4, "shardopt.checkpoint": 4, "shardopt.clipping": 4,
+    "shardopt.optim": 5,  # ZeRO-1
+    "shardopt.nn": 6,  # what both wrappers share (nn/module_checks.py)
+    "shardopt.nn.data_parallel": 7, "shardopt.nn.fsdp": 7,  # ZeRO-2 and ZeRO-3: neither imports the other
+    "shardopt": 8,  # the package's re-exports
+    "shardopt.integrations": 9,  # Lightning, Hugging Face: above the library
+    "shardopt.app": 10,  # the ``shardopt`` command
+    ENTRY: 11,
 }
 
 

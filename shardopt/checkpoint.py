@@ -44,17 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardopt import comm, failures
 from shardopt.failures import CollectiveError
-from shardopt.files import atomic_write, remove_path, staging_paths, swap_in
-from shardopt.state_checks import (
-    MASTER_KEY,
-    check_indexed_state,
-    check_model_state,
-    check_optimizer_state,
-    checksums,
-    meta_crc,
-    shapes,
-    verify,
-)
+from shardopt.files import atomic_write, is_temp_name, remove_path, remove_stale_temps_in, staging_paths, swap_in
+from shardopt.state_checks import (MASTER_KEY, check_indexed_state, check_model_state, check_optimizer_state,
+                                   checksums, dtypes, meta_crc, shapes, verify)
 
 __all__ = [
     "ShardedModel",
@@ -235,6 +227,7 @@ def save_consolidated(
                          f"{type(optimizer).__name__}; build OSS(..., master_dtype=torch.float32), or pass "
                          "master_weights=False to save the parameters as they are")
     check_writable(path, sharded=False)
+    _tidy(path)
     model_state = module.state_dict()  # on every rank: a collective for a ZeRO-3 wrapper
     optim_state: dict[str, Any] | None = None
     if isinstance(optimizer, ShardedOptimizer):
@@ -274,7 +267,16 @@ def _with_master_weights(model_state: dict[str, Any], module: nn.Module, params:
     return out
 
 
+def _tidy(path: str) -> None:  # at the start of every save and load: files.remove_stale_temps_in
+    if _rank() == 0:
+        remove_stale_temps_in(os.path.dirname(os.path.abspath(path)))
+
+
 def _read_consolidated(path: str) -> dict[str, Any]:
+    if is_temp_name(path):
+        raise ValueError(f"{path!r} is the temporary file of an unfinished save, not a checkpoint; load the file "
+                         "named without the leading '.' and '.tmp-PID'")
+    _tidy(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file at {path!r}; save one first with save_consolidated")
     try:
@@ -318,7 +320,7 @@ def load_consolidated(
     """
     blob = _read_consolidated(path)
     expected = module.state_dict() if isinstance(module, ShardedModel) else module.state_dict(keep_vars=True)
-    check_model_state(repr(path), shapes(expected), shapes(blob["model"]))
+    check_model_state(repr(path), shapes(expected), shapes(blob["model"]), dtypes(expected), dtypes(blob["model"]))
     osd = blob["optimizer"] if optimizer is not None else None
     if osd is not None:
         assert optimizer is not None
@@ -411,6 +413,7 @@ def save_sharded(
     """
     path = os.path.abspath(path)
     check_writable(path, sharded=True)
+    _tidy(path)
     staging, _ = staging_paths(path)
     if _rank() == 0:
         remove_path(staging)  # left by a save that was killed
@@ -486,10 +489,12 @@ def _saved_tensors(path: str, prefix: str) -> dict[str, tuple[torch.Size, torch.
 
 
 def _check_model_tensors(path: str, state: Mapping[str, Any]) -> None:
-    """The model's tensor names and full shapes against the folder's, before dcp reads."""
+    """The model's tensor names, full shapes and dtypes against the folder's, before dcp reads."""
     expected = {k: v.size() for k, v in state.items() if isinstance(v, torch.Tensor)}
-    saved: dict[str, torch.Size | None] = {k: size for k, (size, _) in _saved_tensors(path, "model.").items()}
-    check_model_state(repr(path), expected, saved)
+    found = _saved_tensors(path, "model.")
+    saved: dict[str, torch.Size | None] = {k: size for k, (size, _) in found.items()}
+    saved_dtypes: dict[str, torch.dtype | None] = {k: dtype for k, (_, dtype) in found.items()}
+    check_model_state(repr(path), expected, saved, dtypes(state), saved_dtypes)
 
 
 def _agree(check: Callable[[], None]) -> None:
@@ -533,6 +538,7 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
             (nothing is loaded then).
     """
     path = os.path.abspath(path)
+    _tidy(path)
     meta = _read_meta(path)
     kind = meta["optim_kind"]
     if optimizer is not None and kind is not None:

@@ -45,18 +45,6 @@ device work that produced it has finished) and each receive lands in a host tens
 copies are summed, in which order) is the CPU path's, so results match it bit for bit.
 NCCL never takes this path.
 
-Note [waiting beside the work]
-A gloo wait cannot be sliced with a timeout: for a point-to-point transfer a timed wait that
-runs out closes the TCP pair ("Application timeout caused pair closure" on the next wait),
-so any peer more than one slice late broke the step (seen on an H100 machine, where spawned
-ranks start seconds apart, and reproduced on a CPU with a peer 1.6 s late). So one daemon
-thread per process blocks in torch's ``wait()`` (which releases the GIL), in issue order,
-and the caller waits on its event in slices of ``WATCH_SLICE_S``, reading the failure
-board between them. A peer that is merely late costs nothing; one that reported a failure
-ends the wait within a slice. After such an error the thread may stay blocked in a wait
-that can never complete; it holds only that work and dies with the process. Cost: one
-thread handoff per wait, tens of microseconds.
-
 Note [release scratch buffers]
 When ``work.wait()`` returns, the backend's worker thread may still hold its reference to
 the buffers for a moment (gloo drops it after signalling completion), so letting the last
@@ -72,16 +60,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-import os
-import queue
-import threading
+import time
+import zlib
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from shardopt import failures
+from shardopt import failures, flight, waiting
 from shardopt.failures import CollectiveError
 
 __all__ = [
@@ -130,29 +117,49 @@ class PendingWork:
         work: torch's work handle; ``None`` when nothing was sent (a group of one).
         buffers: tensors that must stay alive until the collective completes.
         watched: wait in slices and watch the failure board between them (gloo; Note
-            [failure board]).
+            [failure board]), and the other ranks' positions after a grace (Note [flight
+            recorder] in ``flight``).
+        seq: the collective's number in its group's sequence (-1: not counted).
+        group: the process group (for the flight recorder).
+        size: bytes of the tensor of a gloo collective; -1 for point-to-point ones, whose
+            ``work`` knows the bytes per peer.
+        partner: the other rank (global) of a point-to-point object transfer, else -1.
     """
 
     label: str
     work: Any = None
     buffers: tuple[torch.Tensor, ...] = field(default_factory=tuple)
     watched: bool = False
+    seq: int = -1
+    group: ProcessGroup | None = None
+    size: int = -1
+    partner: int = -1
 
     def wait(self) -> None:
         """Block until the collective has completed, then drop the buffer references.
 
         Raises:
-            CollectiveError: the collective failed, or another rank reported a failure
-                (Note [failure board]); the message names the rank and the operation.
+            CollectiveError: the collective failed, another rank reported a failure (Note
+                [failure board]) or runs a different program or stopped (Note [flight
+                recorder]); the message names the rank and the operation.
         """
         if self.work is not None:
-            _wait_work(self.work, self.label, self.watched)
+            _wait_work(self)
             self.work = None
         self.buffers = ()
 
+    def position(self) -> flight.Position:
+        """Where this rank waits, for the flight recorder."""
+        work = self.work._pending.work if isinstance(self.work, _SumRows) else self.work
+        sends, recvs = (work.send_bytes, work.recv_bytes) if isinstance(work, _AllOf) else ({}, {})
+        ranks = tuple(range(dist.get_world_size())) if self.group in (None, dist.group.WORLD) else tuple(
+            dist.get_process_group_ranks(self.group))
+        return flight.Position(self.label, self.seq, ranks, sends, recvs, self.size, time.time(), self.partner)
 
-def _record(label: str, work: Any, buffers: tuple[torch.Tensor, ...], group: ProcessGroup | None) -> PendingWork:
-    return PendingWork(label, work, buffers, watched=_is_gloo(group))
+
+def _record(label: str, work: Any, buffers: tuple[torch.Tensor, ...], group: ProcessGroup | None, seq: int,
+            size: int = -1) -> PendingWork:
+    return PendingWork(label, work, buffers, watched=_is_gloo(group), seq=seq, group=group, size=size)
 
 
 def _is_gloo(group: ProcessGroup | None) -> bool:
@@ -161,59 +168,17 @@ def _is_gloo(group: ProcessGroup | None) -> bool:
 
 report_failure = failures.report_failure
 
-class _Waiter:
-    """A daemon thread that blocks in torch's ``wait()`` for this process, so the caller can
-    wait in slices and watch the failure board (Note [waiting beside the work])."""
 
-    def __init__(self) -> None:
-        self._pid = -1
-        self._queue: queue.SimpleQueue[tuple[Any, _Ticket]] = queue.SimpleQueue()
-
-    def submit(self, work: Any) -> _Ticket:
-        if self._pid != os.getpid():  # first use, or a forked child: the thread is not here
-            self._pid, self._queue = os.getpid(), queue.SimpleQueue()
-            threading.Thread(target=self._run, args=(self._queue,), name="shardopt-wait", daemon=True).start()
-        ticket = _Ticket()
-        self._queue.put((work, ticket))
-        return ticket
-
-    @staticmethod
-    def _run(jobs: queue.SimpleQueue[tuple[Any, _Ticket]]) -> None:
-        while True:
-            work, ticket = jobs.get()
-            try:
-                work.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                ticket.error = exc
-            ticket.done.set()
-
-
-@dataclass
-class _Ticket:
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-
-_WAITER = _Waiter()
-
-
-def _wait_work(work: Any, label: str, watched: bool) -> None:
-    """Wait for ``work``; on gloo beside it, reading the failure board every slice (Note
-    [failure board] in ``failures``). Any failure becomes a :class:`CollectiveError`."""
-    if not watched:
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            raise failures.collective_error(label, exc) from exc
-        return
-    ticket = _WAITER.submit(work)
-    while not ticket.done.wait(failures.WATCH_SLICE_S):
-        if failures.any_reported():
-            raise failures.collective_error(label, "another rank reported a failure")
-    if ticket.error is not None:
-        if not isinstance(ticket.error, RuntimeError):
-            raise ticket.error
-        raise failures.collective_error(label, ticket.error) from ticket.error
+def _wait_work(record: PendingWork) -> None:
+    """Wait for ``record``'s work: on gloo beside it, watched (Note [waiting beside the work]
+    in ``waiting``). Any failure becomes a :class:`CollectiveError`."""
+    if record.watched:
+        return waiting.wait_beside(record.work, record.label, record.position if max(record.seq, record.partner) >= 0
+                                   else None)
+    try:
+        record.work.wait()
+    except RuntimeError as exc:
+        raise failures.collective_error(record.label, exc) from exc
 
 
 @contextmanager
@@ -229,25 +194,50 @@ def _launch(label: str) -> Iterator[None]:
             raise failures.collective_error(label, exc) from exc
 
 
-def _blocking(label: str, group: ProcessGroup | None, call: Any) -> Any:
-    """Run a blocking collective (object exchange, barrier), naming the failure if it fails."""
-    _check_sequence(label, group)
-    try:
-        return call()
-    except RuntimeError as exc:
-        raise failures.collective_error(label, exc) from exc
+
+
+def _blocking(label: str, group: ProcessGroup | None, call: Callable[[], Any], partner: int = -1) -> None:
+    """Run a blocking collective (object exchange, barrier), naming the failure if it fails.
+    On gloo it runs on the wait thread and is watched. ``partner``: the other group rank of
+    a point-to-point transfer (not numbered in the group's sequence)."""
+    seq = _begin(label, group) if partner < 0 else -1
+    if not _is_gloo(group):
+        try:
+            call()
+        except RuntimeError as exc:
+            raise failures.collective_error(label, exc) from exc
+        return
+    PendingWork(label, waiting.Call(call), watched=True, seq=seq, group=group,
+                partner=_global(group, partner) if partner >= 0 else -1).wait()
 
 
 _sequence: dict[Any, int] = {}
 
 
-def _check_sequence(label: str, group: ProcessGroup | None) -> None:
-    """Note [collective sequence check] in ``failures``: off unless SHARDOPT_DEBUG_COLLECTIVES=1."""
-    if not failures.debug_enabled() or group_size(group) == 1:
-        return
-    key = group if group is not None else "world"
+def _begin(label: str, group: ProcessGroup | None) -> int:
+    """Number this collective in its group's sequence and remember it (Note [flight
+    recorder]); under SHARDOPT_DEBUG_COLLECTIVES=1 also check it against the other ranks'
+    (Note [collective sequence check] in ``failures``). Returns the number (-1 for a group
+    of one rank, where nothing is sent)."""
+    if group_size(group) == 1:
+        return -1
+    key = "world" if group is None or group is dist.group.WORLD else group
     number = _sequence.get(key, 0)
     _sequence[key] = number + 1
+    flight.note_launch(label, number)
+    if failures.debug_enabled():
+        _check_sequence(label, group, number)
+    return number
+
+
+def _tag(base: int, label: str, seq: int, nbytes: int) -> int:
+    """The point-to-point tag of one message: two ranks in different collectives, or in the
+    same one with other sizes, never exchange a byte (Note [flight recorder] in ``flight``)."""
+    return zlib.crc32(f"{base}|{label}|{seq}|{nbytes}".encode()) & 0x7FFFFFFF
+
+
+def _check_sequence(label: str, group: ProcessGroup | None, number: int) -> None:
+    """Note [collective sequence check] in ``failures``."""
     seen: list[Any] = [None] * group_size(group)
     dist.all_gather_object(seen, (number, label), group=group)
     mine = (number, label)
@@ -277,10 +267,11 @@ class _AllOf:
     host copies of device receives are copied back (Note [device tensors on gloo])."""
 
     def __init__(self, works: list[Any], copy_back: list[tuple[torch.Tensor, torch.Tensor]],
-                 staged_sends: list[torch.Tensor]) -> None:
+                 staged_sends: list[torch.Tensor], send_bytes: dict[int, int], recv_bytes: dict[int, int]) -> None:
         self._works = works
         self._copy_back = copy_back
         self._staged_sends = staged_sends  # alive until the sends complete
+        self.send_bytes, self.recv_bytes = send_bytes, recv_bytes  # by global rank, for the flight recorder
 
     def wait(self, timeout: timedelta | None = None) -> None:
         while self._works:
@@ -298,30 +289,33 @@ def _on_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else torch.empty(tensor.shape, dtype=tensor.dtype)
 
 
-def _post(
-    sends: Iterable[tuple[torch.Tensor, int]],
-    recvs: Iterable[tuple[torch.Tensor, int]],
-    group: ProcessGroup | None,
-    tag: int,
-) -> _AllOf:
+def _post(sends: Iterable[tuple[torch.Tensor, int]], recvs: Iterable[tuple[torch.Tensor, int]],
+          group: ProcessGroup | None, base_tag: int, label: str, seq: int) -> _AllOf:
     """Post every receive, then every send (group ranks); empty tensors are skipped. Device
-    tensors travel through host copies (Note [device tensors on gloo])."""
+    tensors travel through host copies (Note [device tensors on gloo]). Each message's tag
+    depends on the collective and its byte count (:func:`_tag`)."""
     works: list[Any] = []
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
     staged_sends: list[torch.Tensor] = []
+    send_bytes: dict[int, int] = {}
+    recv_bytes: dict[int, int] = {}
     for t, src in recvs:
         if t.numel():
             staged = _on_host(t)
             if staged is not t:
                 copy_back.append((t, staged))
-            works.append(dist.irecv(staged, _global(group, src), group=group, tag=tag))
+            peer, nbytes = _global(group, src), t.numel() * t.element_size()
+            recv_bytes[peer] = recv_bytes.get(peer, 0) + nbytes
+            works.append(dist.irecv(staged, peer, group=group, tag=_tag(base_tag, label, seq, nbytes)))
     for t, dst in sends:
         if t.numel():
             if t.device.type != "cpu":
                 t = t.cpu()
                 staged_sends.append(t)
-            works.append(dist.isend(t, _global(group, dst), group=group, tag=tag))
-    return _AllOf(works, copy_back, staged_sends)
+            peer, nbytes = _global(group, dst), t.numel() * t.element_size()
+            send_bytes[peer] = send_bytes.get(peer, 0) + nbytes
+            works.append(dist.isend(t, peer, group=group, tag=_tag(base_tag, label, seq, nbytes)))
+    return _AllOf(works, copy_back, staged_sends, send_bytes, recv_bytes)
 
 
 def peers(rank: int, size: int) -> list[int]:
@@ -388,7 +382,7 @@ def all_gather_into(
 
     ``input`` may be this rank's slice of ``output`` (in place); both contiguous.
     """
-    _check_sequence(label, group)
+    seq = _begin(label, group)
     size = group_size(group)
     if size == 1:
         if output.data_ptr() != input.data_ptr():
@@ -401,10 +395,11 @@ def all_gather_into(
             if pieces[me].data_ptr() != source.data_ptr():
                 pieces[me].copy_(source)
             others = peers(me, size)
-            work: Any = _post([(source, r) for r in others], [(pieces[r], r) for r in others], group, _GATHER_TAG)
+            work: Any = _post([(source, r) for r in others], [(pieces[r], r) for r in others], group, _GATHER_TAG,
+                              label, seq)
         else:
             work = _all_gather_single(output, input, group=group, async_op=True)
-    return _record(label, work, (output, input), group)
+    return _record(label, work, (output, input), group, seq, output.numel() * output.element_size())
 
 
 def all_to_all(
@@ -420,20 +415,24 @@ def all_to_all(
     Splits may be uneven and zero. On gloo each rank sends only what others need, which is
     why shardopt reduces gradients to their owners this way (see Note [reduce to owner]).
     """
-    _check_sequence(label, group)
-    size = group_size(group)
-    if size == 1:
+    return _all_to_all(output, input, output_splits, input_splits, group, label, _begin(label, group))
+
+
+def _all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+                group: ProcessGroup | None, label: str, seq: int) -> PendingWork:
+    if group_size(group) == 1:
         output.copy_(input)
         return PendingWork(label)
     if prefers_point_to_point(group, output.device):
-        pending = all_to_all_pieces(output.split(list(output_splits)), input.split(list(input_splits)), group, label)
+        pending = _all_to_all_pieces(output.split(list(output_splits)), input.split(list(input_splits)), group, label,
+                                     seq)
         pending.buffers = (output, input)
         return pending
     with _launch(label):
         work = dist.all_to_all_single(
             output, input, list(output_splits), list(input_splits), group=group, async_op=True
         )
-    return _record(label, work, (output, input), group)
+    return _record(label, work, (output, input), group, seq)
 
 
 def all_to_all_pieces(
@@ -448,7 +447,11 @@ def all_to_all_pieces(
     never needs one large contiguous buffer. ``outputs[rank]`` may be ``inputs[rank]``
     itself: this rank's own piece is then not copied.
     """
-    _check_sequence(label, group)
+    return _all_to_all_pieces(outputs, inputs, group, label, _begin(label, group))
+
+
+def _all_to_all_pieces(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group: ProcessGroup | None,
+                       label: str, seq: int) -> PendingWork:
     size, me = group_size(group), group_rank(group)
     if outputs[me] is not inputs[me]:
         outputs[me].copy_(inputs[me])
@@ -458,12 +461,13 @@ def all_to_all_pieces(
     with _launch(label):
         if prefers_point_to_point(group, inputs[me].device):
             others = peers(me, size)
-            work: Any = _post([(inputs[r], r) for r in others], [(outs[r], r) for r in others], group, _ALL_TO_ALL_TAG)
+            work: Any = _post([(inputs[r], r) for r in others], [(outs[r], r) for r in others], group, _ALL_TO_ALL_TAG,
+                              label, seq)
         else:
             if outs[me] is inputs[me]:
                 outs[me] = torch.empty_like(inputs[me])  # the backend wants distinct tensors
             work = dist.all_to_all(outs, list(inputs), group=group, async_op=True)
-    return _record(label, work, (*outs, *outputs, *inputs), group)
+    return _record(label, work, (*outs, *outputs, *inputs), group, seq)
 
 
 def exchange(
@@ -479,10 +483,10 @@ def exchange(
     order and sizes (Note [gloo point to point]). Tensors must be contiguous and stay
     untouched until the record is waited. For gloo on CPU; see :func:`prefers_point_to_point`.
     """
-    _check_sequence(label, group)
+    seq = _begin(label, group)
     with _launch(label):
-        work = _post(sends, recvs, group, _EXCHANGE_TAG)
-    return _record(label, work, tuple(t for t, _ in sends) + tuple(t for t, _ in recvs), group)
+        work = _post(sends, recvs, group, _EXCHANGE_TAG, label, seq)
+    return _record(label, work, tuple(t for t, _ in sends) + tuple(t for t, _ in recvs), group, seq)
 
 
 def reduce_scatter(
@@ -493,7 +497,7 @@ def reduce_scatter(
     ``output`` holds the result once the record is waited. On gloo with CPU tensors this is
     an all-to-all and a rank-order sum (Note [reduce-scatter on gloo]).
     """
-    _check_sequence(label, group)
+    seq = _begin(label, group)
     size = group_size(group)
     if size == 1:
         output.copy_(input.view_as(output))
@@ -501,11 +505,11 @@ def reduce_scatter(
     if prefers_point_to_point(group, input.device):
         rows = torch.empty_like(input)
         splits = [output.numel()] * size
-        pending = all_to_all(rows, input, splits, splits, group, label)
-        return _record(label, _SumRows(pending, rows.view(size, -1), output), (rows, input, output), group)
+        pending = _all_to_all(rows, input, splits, splits, group, label, seq)
+        return _record(label, _SumRows(pending, rows.view(size, -1), output), (rows, input, output), group, seq)
     with _launch(label):
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return _record(label, work, (output, input), group)
+    return _record(label, work, (output, input), group, seq, input.numel() * input.element_size())
 
 
 class _SumRows:
@@ -535,25 +539,25 @@ def all_reduce(
     label: str = "all_reduce",
 ) -> PendingWork:
     """Reduce ``tensor`` in place over ranks with ``op`` in ``{"sum", "max", "min"}``."""
-    _check_sequence(label, group)
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in ops:
         raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
     if group_size(group) == 1:
         return PendingWork(label)
+    seq = _begin(label, group)
     with _launch(label):
         work = dist.all_reduce(tensor, op=ops[op], group=group, async_op=True)
-    return _record(label, work, (tensor,), group)
+    return _record(label, work, (tensor,), group, seq, tensor.numel() * tensor.element_size())
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, label: str = "broadcast") -> PendingWork:
     """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
-    _check_sequence(label, group)
     if group_size(group) == 1:
         return PendingWork(label)
+    seq = _begin(label, group)
     with _launch(label):
         work = dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)
-    return _record(label, work, (tensor,), group)
+    return _record(label, work, (tensor,), group, seq, tensor.numel() * tensor.element_size())
 
 
 def barrier(group: ProcessGroup | None) -> None:
@@ -583,11 +587,13 @@ def broadcast_object(obj: Any, src: int, group: ProcessGroup | None) -> Any:
 
 def send_object(obj: Any, dst: int, group: ProcessGroup | None) -> None:
     """Send a picklable object to group rank ``dst`` (blocking)."""
-    _blocking("shardopt::object::send", None, lambda: dist.send_object_list([obj], dst=_global(group, dst), group=group))
+    _blocking("shardopt::object::send", group,
+              lambda: dist.send_object_list([obj], dst=_global(group, dst), group=group), partner=dst)
 
 
 def recv_object(src: int, group: ProcessGroup | None) -> Any:
     """Receive the object that group rank ``src`` sent with :func:`send_object`."""
     box: list[Any] = [None]
-    _blocking("shardopt::object::recv", None, lambda: dist.recv_object_list(box, src=_global(group, src), group=group))
+    _blocking("shardopt::object::recv", group,
+              lambda: dist.recv_object_list(box, src=_global(group, src), group=group), partner=src)
     return box[0]

@@ -15,7 +15,7 @@ every rank already shares):
   or is stuck elsewhere);
 * on gloo, :class:`~shardopt.comm.PendingWork` waits in slices of
   :data:`WATCH_SLICE_S` beside a thread blocked in the backend's wait (Note [waiting
-  beside the work] in ``comm``) and reads the board's counter between slices, so a rank
+  beside the work] in ``waiting``) and reads the board's counter between slices, so a rank
   waiting on a peer that reported a failure ends within a slice, not the group timeout.
 
 The resulting :class:`CollectiveError` names this rank, the shardopt operation (from the
@@ -66,8 +66,13 @@ class CollectiveError(RuntimeError):
     """
 
     def __init__(self, rank: int, label: str, failed: dict[int, str], left: list[int], cause: str,
-                 hint: str = "") -> None:
+                 hint: str = "", why: str = "") -> None:
         what = describe(label)
+        self.why = why
+        if why:  # the flight recorder found where the ranks are (Note [flight recorder])
+            super().__init__(f"[rank {rank}] {what} did not complete: {why}")
+            self.rank, self.label, self.failed, self.left, self.cause = rank, label, failed, left, cause
+            return
         if failed:
             first = min(failed)
             why = f"rank {first} failed: {failed[first]}"
@@ -79,12 +84,17 @@ class CollectiveError(RuntimeError):
                    + " without a report: it exited, was killed or is stuck outside this collective")
         else:
             why = "a rank reported an error in the same collective"
-        super().__init__(f"[rank {rank}] {what} did not complete: {why}. Backend said: {cause}"
-                         + (f". {hint}" if hint else ""))
+        # Once a rank has said why it failed, the transport's words for the broken connection
+        # ("Connection closed by peer") add nothing.
+        said = "" if failed or not cause else f". Backend said: {cause}"
+        super().__init__(f"[rank {rank}] {what} did not complete: {why}{said}" + (f". {hint}" if hint else ""))
         self.rank, self.label, self.failed, self.left, self.cause = rank, label, failed, left, cause
 
     def with_hint(self, hint: str) -> CollectiveError:
-        """The same error with a caller's hint on the likely cause appended."""
+        """The same error with a caller's hint on the likely cause appended (not to an error
+        that already names where the ranks are)."""
+        if self.why:
+            return self
         return CollectiveError(self.rank, self.label, self.failed, self.left, self.cause, hint)
 
 
@@ -93,6 +103,8 @@ def describe(label: str) -> str:
     parts = label.split("::")
     if len(parts) < 3 or parts[0] != "shardopt":
         return f"the collective {label!r}"
+    if parts[1] == "object":  # comm's object exchanges (metadata, checkpoint plans)
+        return f"an object {parts[2].replace('_', '-')}"
     components = {"sdp": "ShardedDataParallel", "oss": "OSS", "fsdp": "FullyShardedDataParallel",
                   "scaler": "ShardedGradScaler", "checkpoint": "shardopt.checkpoint", "debug": "the debug check"}
     phases = {"reduce": "gradient reduction", "param_gather": "parameter gather after the step",
@@ -109,7 +121,8 @@ def describe(label: str) -> str:
     return text
 
 
-def _store() -> Any:
+def default_store() -> Any:
+    """The default process group's store, or ``None`` without one."""
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # no default group (or a torch without this helper): no board
@@ -128,7 +141,7 @@ def report_failure(message: str, saw: bool = False) -> None:
         message: why this rank fails (one line is best).
         saw: this rank only saw a collective fail (internal use).
     """
-    store = _store()
+    store = default_store()
     if store is None or not dist.is_initialized():
         return
     rank = dist.get_rank()
@@ -144,7 +157,7 @@ def report_failure(message: str, saw: bool = False) -> None:
 
 def any_reported() -> bool:
     """Whether some rank has put a report on the board (one store read)."""
-    store = _store()
+    store = default_store()
     if store is None:
         return False
     try:
@@ -171,7 +184,7 @@ def collective_error(label: str, cause: BaseException | str) -> CollectiveError:
     report_failure(f"saw {describe(label)} fail", saw=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    store = _store()
+    store = default_store()
     reports: dict[int, tuple[str, str]] = {}
     if store is not None:
         deadline = time.monotonic() + GRACE_S

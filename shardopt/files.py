@@ -17,7 +17,8 @@ import shutil
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["atomic_write", "fsync_dir", "remove_path", "remove_stale_temps", "staging_paths", "swap_in"]
+__all__ = ["atomic_write", "fsync_dir", "is_temp_name", "remove_path", "remove_stale_temps", "remove_stale_temps_in",
+           "staging_paths", "swap_in"]
 
 
 def _temp_name(path: str, pid: int) -> str:
@@ -69,6 +70,33 @@ def remove_stale_temps(path: str) -> list[str]:
                 removed.append(stale)
             except OSError:
                 pass
+    return removed
+
+
+def is_temp_name(path: str) -> bool:
+    """Whether ``path`` is named like the temporary file of an unfinished write (``.NAME.tmp-PID``)."""
+    name = os.path.basename(path)
+    head, sep, pid = name.rpartition(".tmp-")
+    return name.startswith(".") and bool(sep) and len(head) > 1 and pid.isdigit()
+
+
+def remove_stale_temps_in(directory: str) -> list[str]:
+    """Remove, in ``directory``, every temporary file of an earlier write whose process is gone.
+
+    Called by rank 0 at the start of every save and load (temporary files are written by
+    rank 0 only, so its process table is the one that knows their writers).
+
+    Returns:
+        The files removed.
+    """
+    removed: list[str] = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return removed
+    for entry in entries:
+        if is_temp_name(entry):
+            removed += remove_stale_temps(os.path.join(directory, entry.rpartition(".tmp-")[0][1:]))
     return removed
 
 

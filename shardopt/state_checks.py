@@ -95,18 +95,43 @@ def shapes(state: Mapping[str, Any]) -> dict[str, torch.Size | None]:
     return {k: v.shape if isinstance(v, torch.Tensor) else None for k, v in state.items()}
 
 
+def dtypes(state: Mapping[str, Any]) -> dict[str, torch.dtype | None]:
+    """The dtype of every tensor of a flat state dict (``None`` for other values)."""
+    return {k: v.dtype if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+
+
 def check_model_state(where: str, expected: Mapping[str, torch.Size | None],
-                       saved: Mapping[str, torch.Size | None]) -> None:
-    """Names and shapes saved against the model's own (``expected``), strict."""
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
+                      saved: Mapping[str, torch.Size | None],
+                      expected_dtypes: Mapping[str, torch.dtype | None] | None = None,
+                      saved_dtypes: Mapping[str, torch.dtype | None] | None = None,
+                      strict: bool = True) -> None:
+    """Names, shapes and dtypes saved against the model's own (``expected``), before any write.
+
+    A saved dtype must cast to the model's without changing kind (``torch.can_cast``: a
+    float into a float of any width, an int into a float; not a float into an int, nor a
+    complex into a real). With ``strict=False`` missing and unexpected names are allowed
+    (as ``nn.Module.load_state_dict(strict=False)``); shapes and dtypes are checked anyway.
+    """
+    common = [k for k in expected if k in saved]
+    missing = [k for k in expected if k not in saved] if strict else []
+    unexpected = [k for k in saved if k not in expected] if strict else []
     wrong = [(k, tuple(a), tuple(b)) for k, b in expected.items()
              if (a := saved.get(k)) is not None and b is not None and a != b]
-    if missing or unexpected or wrong:
+    uncastable = [(k, src, dst) for k in common
+                  if expected_dtypes is not None and saved_dtypes is not None
+                  and (src := saved_dtypes.get(k)) is not None and (dst := expected_dtypes.get(k)) is not None
+                  and not torch.can_cast(src, dst)]
+    if missing or unexpected or wrong or uncastable:
         parts = ([f"missing {missing[:5]}"] if missing else []) + ([f"unexpected {unexpected[:5]}"] if unexpected else [])
         parts += [f"{k!r} has shape {a} in the checkpoint but {b} in the model" for k, a, b in wrong[:3]]
-        raise ValueError(f"checkpoint {where} does not fit this model ({'; '.join(parts)}); load it into the model "
-                         "it was saved from (same architecture and configuration). Nothing was loaded")
+        parts += [f"{k!r} is {a} in the checkpoint but {b} in the model, which it cannot be cast to"
+                  for k, a, b in uncastable[:3]]
+        other = ""
+        if missing and unexpected and 2 * len(common) < max(len(expected), len(saved)):
+            other = (f"this file is from a different model: only {len(common)} of its {len(saved)} names are "
+                     "names of this model; ")
+        raise ValueError(f"checkpoint {where} does not fit this model ({other}{'; '.join(parts)}); load it into the "
+                         "model it was saved from (same architecture and configuration). Nothing was loaded")
 
 
 def check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: Any,

@@ -83,6 +83,8 @@ BAD_ARGUMENTS = [
     (["bench", "--steps", "2"], "--steps 2 leaves nothing to measure after --warmup-steps 2"),
     (["bench", "--plot", "x.png"], "--plot needs matplotlib"),
     (["estimate", "--model", "nomodule", "--world-size", "2"], "must be a preset"),
+    (["estimate", "--model", "torch.nn:Linear", "--world-size", "2"],
+     "--model 'torch.nn:Linear': calling Linear() with no arguments failed (TypeError"),
     (["demo", "--amp", "fp16", "--mode", "fsdp2"], "--amp fp16 is supported with"),
     (["estimate", "--model", "no_such_module:make", "--world-size", "2"], "cannot load 'make'"),
     (["estimate", "--model", "os:getcwd", "--world-size", "2"], "returned str, not an nn.Module"),
@@ -396,3 +398,15 @@ def test_demo_with_two_ranks_sharing_one_gpu_trains_on_it_over_gloo(tmp_path: An
                  "--device", "cuda")
     for rank in data["ranks"]:
         assert rank["backend"] == "gloo" and rank["device_peak"] > 0 and rank["bytes_per_step"] > 0, rank
+
+
+def test_resume_with_steps_at_or_below_the_checkpoint_step_is_refused(tmp_path: Any,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # Before, this exited 0 and reported a NaN loss (no step was run).
+    ck = tmp_path / "ck.pt"
+    _demo(tmp_path, "first", "--steps", "3", "--checkpoint", str(ck), "--world-size", "1")
+    capsys.readouterr()
+    _assert_one_line_errors([
+        (["demo", *TINY, "--steps", "2", "--checkpoint", str(ck), "--resume", "--world-size", "1"],
+         "is at step 3 but --steps is 2: there is nothing left to train; pass --steps greater than 3"),
+    ], capsys)

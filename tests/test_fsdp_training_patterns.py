@@ -318,8 +318,8 @@ def _unit_skipped_on_one_rank(rank: int, world_size: int) -> None:
 
 
 def test_unit_skipped_on_one_rank_ends_in_an_error_naming_the_cause() -> None:
-    # Mismatched collectives cannot be detected without one more collective per unit; the
-    # group timeout ends them and the error says what to look for.
+    # The flight recorder names the two units within its grace (Note [flight recorder]);
+    # should the 3 s group timeout fire first, the unit's own hint says the same.
     with pytest.raises(RankFailure, match="every rank must run the same units in the same order"):
         run_ranks(_unit_skipped_on_one_rank, 2, timeout_s=3)
 

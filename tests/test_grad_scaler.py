@@ -94,3 +94,8 @@ def test_disabled_scaler_is_a_pass_through() -> None:
     loss = torch.tensor(3.0)
     assert scaler.scale(loss) is loss
     assert not scaler.is_enabled()
+
+
+def test_scaler_rejects_a_process_group_that_is_not_a_group_at_construction() -> None:
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup or None .* got 'world'"):
+        ShardedGradScaler(process_group="world", device="cpu")  # type: ignore[arg-type]

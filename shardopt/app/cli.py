@@ -452,7 +452,12 @@ def _load_factory(command: str, spec: str) -> torch.nn.Module:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         _fail(command, f"--model {spec!r}: cannot load {attr!r} from {module_name!r} ({exc})")
-    model = factory() if callable(factory) else factory
+    try:
+        model = factory() if callable(factory) else factory
+    except Exception as exc:  # a class or function that needs arguments, or fails on its own
+        _fail(command, f"--model {spec!r}: calling {attr}() with no arguments failed ({type(exc).__name__}: {exc}); "
+              "point --model at a function that takes no arguments and returns the model (e.g. "
+              "mymodels:build_small), or use --params N")
     if not isinstance(model, torch.nn.Module):
         _fail(command, f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
     return model

@@ -255,8 +255,8 @@ def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
         The checkpoint's ``extra`` (see :func:`shardopt.checkpoint.read_extra`).
 
     Raises:
-        ValueError: not a shardopt checkpoint, another model, seed or precision, or a file
-            where a folder is needed (or back).
+        ValueError: not a shardopt checkpoint, another model, seed or precision, a file
+            where a folder is needed (or back), or already at ``job.steps`` or beyond.
     """
     saved = checkpoint.read_extra(path)
     if saved is None:
@@ -272,6 +272,11 @@ def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path!r} was saved at --precision {saved_precision}, not "
                          f"{job.precision.name}; resume with --precision {saved_precision}, or point --checkpoint "
                          "elsewhere")
+    saved_step = saved.get("step")
+    if isinstance(saved_step, int) and saved_step >= job.steps:
+        raise ValueError(f"checkpoint {path!r} is at step {saved_step} but --steps is {job.steps}: there is nothing "
+                         f"left to train; pass --steps greater than {saved_step} to continue, or drop --resume to "
+                         "start over")
     sharded_checkpoint = get_mode(job.mode).sharded_checkpoint
     if os.path.isdir(path) != sharded_checkpoint:
         kind = "a sharded folder" if os.path.isdir(path) else "a consolidated file"

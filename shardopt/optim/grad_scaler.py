@@ -72,7 +72,8 @@ class ShardedGradScaler(GradScaler):
         ValueError: ``device`` is not a known device type, or a scaling argument is out of
             range (``init_scale <= 0``, ``growth_factor <= 1``, ``backoff_factor`` outside
             (0, 1), ``growth_interval < 1``).
-        TypeError: a scaling argument is not a real number.
+        TypeError: a scaling argument is not a real number, or ``process_group`` is not a
+            ``ProcessGroup`` (e.g. the string ``'world'``).
     """
 
     def __init__(
@@ -90,6 +91,10 @@ class ShardedGradScaler(GradScaler):
         if device not in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia"):
             raise ValueError(f"device must be a device type such as 'cpu' or 'cuda', got {device!r}")
         _check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
+        if process_group is not None and not isinstance(process_group, comm.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None (the optimizer's group), "
+                            f"got {process_group!r} ({type(process_group).__name__}); pass None, "
+                            "torch.distributed.group.WORLD or a group from torch.distributed.new_group")
         super().__init__(
             device=device,
             init_scale=init_scale,

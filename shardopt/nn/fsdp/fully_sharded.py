@@ -34,7 +34,7 @@ from shardopt.nn.fsdp.options import (
     make_config,
 )
 from shardopt.nn.fsdp.records import TrainingState
-from shardopt.nn.fsdp.state_dict import WRAPPED, ParentLoad, clean_name, load_sharded, sharded_state
+from shardopt.nn.fsdp.state_dict import WRAPPED, ParentLoad, check_loadable, clean_name, load_sharded, sharded_state
 from shardopt.nn.fsdp.unit import Unit
 from shardopt.nn.fsdp.wrap import AutoWrapPolicy, auto_wrap, claim_params, owner_of, registrations
 from shardopt.nn.module_checks import refuse_sparse_modules
@@ -439,16 +439,15 @@ class FullyShardedDataParallel(nn.Module):
             ``nn.Module.load_state_dict``'s missing/unexpected keys, with original names.
 
         Raises:
-            ValueError: ``assign=True``.
+            ValueError: ``assign=True``, or a name, shape or dtype that does not fit (nothing is written).
         """
         if assign:
-            raise ValueError(
-                "load_state_dict(assign=True) would replace parameters that are views into the flat shard; "
-                "use assign=False"
-            )
+            raise ValueError("load_state_dict(assign=True) would replace parameters that are views into the flat "
+                             "shard; use assign=False")
         raw = {clean_name(k): k for k in super().state_dict(keep_vars=True)}
         translated = OrderedDict((raw.get(k, k), v) for k, v in state_dict.items())
         with self.summon_full_params(recurse=True, writeback=True):
+            check_loadable(super().state_dict(keep_vars=True), translated, strict)
             result = super().load_state_dict(translated, strict=strict)
         result.missing_keys[:] = [clean_name(k) for k in result.missing_keys]
         result.unexpected_keys[:] = [clean_name(k) for k in result.unexpected_keys]

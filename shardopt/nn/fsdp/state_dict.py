@@ -41,8 +41,9 @@ from shardopt import comm
 from shardopt.nn.fsdp.flat_param import ParamSlot
 from shardopt.nn.fsdp.records import TrainingState
 from shardopt.nn.fsdp.unit import Unit
+from shardopt.state_checks import check_model_state, dtypes, shapes
 
-__all__ = ["WRAPPED", "ParentLoad", "clean_name", "load_sharded", "local_piece", "piece_tensor", "sharded_state"]
+__all__ = ["WRAPPED", "ParentLoad", "check_loadable", "clean_name", "load_sharded", "local_piece", "piece_tensor", "sharded_state"]
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute under which a wrapper holds its module (one level in raw parameter names)."""
@@ -51,6 +52,19 @@ WRAPPED = "_fsdp_wrapped_module"
 def clean_name(name: str) -> str:
     """A parameter/buffer name without the wrapper levels FSDP inserted."""
     return name.replace(WRAPPED + ".", "")
+
+
+def check_loadable(full: dict[str, Any], given: dict[str, Any], strict: bool) -> None:
+    """Every name (with ``strict``), shape and dtype of a full state dict before the first
+    write: ``nn.Module.load_state_dict`` copies what fits and raises afterwards, which would
+    leave a half-loaded model.
+
+    Raises:
+        ValueError: ``given`` does not fit ``full`` (nothing was written).
+    """
+    full, given = ({clean_name(k): v for k, v in d.items()} for d in (full, given))
+    check_model_state("(the state dict passed to load_state_dict)", shapes(full), shapes(given), dtypes(full),
+                      dtypes(given), strict=strict)
 
 
 def local_piece(value: ShardedTensor, param: torch.Tensor, what: str, fix: str) -> torch.Tensor:
@@ -163,7 +177,8 @@ def load_sharded(units: list[Unit], named_params: dict[str, nn.Parameter],
         state: ``{name: ShardedTensor | Tensor}`` covering every parameter and buffer.
 
     Raises:
-        ValueError: names missing, or a sharded entry whose pieces do not match this rank's.
+        ValueError: names missing, or an entry whose pieces, shapes or dtypes do not fit
+            (checked before anything is written).
     """
     missing = [n for n in list(named_params) + list(named_buffers) if n not in state]
     if missing:
@@ -172,16 +187,25 @@ def load_sharded(units: list[Unit], named_params: dict[str, nn.Parameter],
             "and fill it with torch.distributed.checkpoint.load"
         )
     where = _locate(units)
+    # Every piece is found and checked before the first write (a failed load changes nothing).
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, param in named_params.items():
+        value, unit = state[name], where.get(id(param))
+        if isinstance(value, ShardedTensor):
+            copies.append((param.reshape(-1), local_piece(value, param, f"sharded entry {name!r}",
+                                                          "use this model's own sharded_state_dict() as the load target")))
+        elif unit is not None and unit.handle is not None:
+            copies.append((param.reshape(-1), value.reshape(-1)))
+        else:
+            copies.append((param, value))
+    copies += [(buf, state[name]) for name, buf in named_buffers.items()]
+    bad = [(tuple(dst.shape), tuple(src.shape), src.dtype, dst.dtype) for dst, src in copies
+           if dst.shape != src.shape or not torch.can_cast(src.dtype, dst.dtype)]
+    if bad:
+        raise ValueError(f"the sharded state dict does not fit this model (e.g. a piece of shape {bad[0][1]} and "
+                         f"dtype {bad[0][2]} for a target of shape {bad[0][0]} and dtype {bad[0][3]}); build it with "
+                         "this model's sharded_state_dict() and fill it with torch.distributed.checkpoint.load. "
+                         "Nothing was loaded")
     with torch.no_grad():
-        for name, param in named_params.items():
-            value, unit = state[name], where.get(id(param))
-            if isinstance(value, ShardedTensor):
-                piece = local_piece(value, param, f"sharded entry {name!r}",
-                                    "use this model's own sharded_state_dict() as the load target")
-                param.reshape(-1).copy_(piece)
-            elif unit is not None and unit.handle is not None:
-                param.reshape(-1).copy_(value.reshape(-1))
-            else:
-                param.copy_(value)
-        for name, buf in named_buffers.items():
-            buf.copy_(state[name])
+        for dst, src in copies:
+            dst.copy_(src)
