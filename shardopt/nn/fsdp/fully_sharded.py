@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from shardopt import clipping, comm
-from shardopt.agreement import check_agreement
 from shardopt.nn.data_parallel.gradient_checks import refuse_sparse_modules
 from shardopt.nn.fsdp import grad_norm, optim_state_dict
+from shardopt.nn.fsdp.construction import agree_and_sync
 from shardopt.nn.fsdp.context import StepContext
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
 from shardopt.nn.fsdp.materialize import materialize
@@ -35,7 +35,14 @@ from shardopt.nn.fsdp.options import (
     make_config,
 )
 from shardopt.nn.fsdp.records import TrainingState
-from shardopt.nn.fsdp.state_dict import WRAPPED, ParentLoad, clean_name, load_sharded, sharded_state
+from shardopt.nn.fsdp.state_dict import (
+    WRAPPED,
+    ParentLoad,
+    WrappedStateDict,
+    clean_name,
+    load_sharded,
+    sharded_state,
+)
 from shardopt.nn.fsdp.unit import Unit
 from shardopt.nn.fsdp.wrap import AutoWrapPolicy, auto_wrap, claim_params, owner_of, registrations
 
@@ -48,12 +55,14 @@ class FullyShardedDataParallel(nn.Module):
 
     How it works: the parameters of the wrapped module that no nested unit owns are flattened
     into one buffer padded to a multiple of the shard group size; each rank keeps its
-    ``1/N`` slice (Note [flat parameter layout] in ``flat_param``). The original parameters
-    stay registered under their original names and are views: of this rank's slice between
-    steps, of the all-gathered buffer during forward and backward. Gradients are multiplied
+    ``1/N`` of every parameter's rows (Note [flat parameter layout] in ``flat_param``). The
+    original parameters stay registered under their original names and are views: of this
+    rank's rows between steps (so ``p.dim()`` is unchanged and shape-based optimizer groups
+    work; ``p.numel()`` counts this rank's rows), of the gathered parameters during forward
+    and backward. Gradients are multiplied
     by ``1/N`` and reduce-scattered after each unit's backward, so every rank holds only its
     gradient slice (Note [hook order] in ``unit``). ``parameters()`` therefore yields the sharded fp32
-    master pieces, and any ``torch.optim`` optimizer built on them steps only this rank's
+    master rows, and any ``torch.optim`` optimizer built on them steps only this rank's
     shard with sharded state. Shared parameters are owned by the lowest unit enclosing
     all their users (Note [shared parameters] in ``wrap``).
 
@@ -68,7 +77,9 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: alternative to ``process_group``: 1-D, or 2-D ``(replicate, shard)`` for
             HYBRID_SHARD.
         sync_module_states: broadcast the parameters and buffers of rank 0 (of the model's
-            groups) to all its ranks before sharding.
+            groups) to all its ranks before sharding, as DDP does. Default ``False`` (torch's
+            and fairscale's signature): no broadcast, but ranks whose weights differ are
+            refused (Note [same weights at construction] in ``construction``).
         param_init_fn: materialises a module created on the meta device; without it such a
             module is moved with ``to_empty`` and each submodule's ``reset_parameters()`` runs
             (a meta tensor no ``reset_parameters()`` would initialise is refused).
@@ -79,7 +90,8 @@ class FullyShardedDataParallel(nn.Module):
 
     Raises:
         ValueError: ``module`` is already wrapped, a shared parameter crosses units wrapped
-            by hand, inconsistent process groups for the strategy, meta tensors remain, or
+            by hand, inconsistent process groups for the strategy, ranks' weights differ
+            without ``sync_module_states``, meta tensors remain, or
             (without ``param_init_fn``) a meta tensor belongs to a module without ``reset_parameters()``.
         TypeError: wrong argument types, or one unit's parameters of several dtypes.
         RuntimeError: torch.distributed is not initialised.
@@ -120,28 +132,14 @@ class FullyShardedDataParallel(nn.Module):
         ignored = {id(m) for top in (ignored_modules or ()) for m in top.modules()}
         materialize(module, param_init_fn, comm.default_device(config.shard_group))
         refuse_sparse_modules(module, "FullyShardedDataParallel")
-        # Note [agree before the first collective] in shardopt.agreement: a rank whose
-        # parameters are registered in another order would fill the flat layout differently.
-        for size, agreeing in ((config.shard_size, config.shard_group),
-                               (config.replicate_size, config.replicate_group)):
-            if size == 1:
-                continue
-            check_agreement("FullyShardedDataParallel", [
-                ("sharding_strategy", config.strategy.name), ("mixed_precision", config.mixed_precision),
-                ("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch),
-                ("limit_all_gathers", limit_all_gathers), ("sync_module_states", sync_module_states),
-                ("auto_wrap_policy", type(auto_wrap_policy).__qualname__),
-                ("parameters (name, shape, dtype) in registration order",  # not those of units built before
-                 [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters() if owner_of(p) is None]),
-            ], agreeing, "build the same model, in the same order, with the same FSDP arguments on every rank")
-        if sync_module_states:
-            # From rank 0 of the shard group, then from rank 0 of the replica group: every rank
-            # of the model's groups ends with the values of the first rank of the first group.
-            groups = [(config.shard_size, config.shard_group), (config.replicate_size, config.replicate_group)]
-            for size, group in groups:
-                if size > 1:
-                    for tensor in list(module.parameters()) + list(module.buffers()):
-                        comm.broadcast(tensor.data, 0, group, label="shardopt::fsdp::sync_module_states").wait()
+        arguments: list[tuple[str, object]] = [
+            ("sharding_strategy", config.strategy.name), ("mixed_precision", config.mixed_precision),
+            ("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch),
+            ("limit_all_gathers", limit_all_gathers), ("sync_module_states", sync_module_states),
+            ("auto_wrap_policy", type(auto_wrap_policy).__qualname__),
+        ]
+        # Note [same weights at construction] in construction
+        agree_and_sync(module, config, arguments, sync_module_states, lambda p: owner_of(p) is None)
         buffer_dtype = config.mixed_precision.buffer_dtype
         if buffer_dtype is not None:
             for sub in module.modules():
@@ -187,6 +185,10 @@ class FullyShardedDataParallel(nn.Module):
         parent_load = ParentLoad(self._unit, lambda: self.summon_full_params(recurse=True, writeback=True))
         self._register_load_state_dict_pre_hook(parent_load.pre, with_module=True)
         self.register_load_state_dict_post_hook(parent_load.post)
+        # Note [state dict of the wrapped module] in state_dict
+        own = WrappedStateDict(self._unit, lambda: self.summon_full_params(recurse=False, writeback=False))
+        self._wrapped_state_dict_handles = (module.register_state_dict_pre_hook(own.pre),
+                                  module.register_state_dict_post_hook(own.post))
         logger.debug("FSDP unit %r: %d parameters", name, len(params))
 
     # ------------------------------------------------------------------ plumbing
@@ -292,6 +294,42 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             context.no_sync = previous
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch: ``False`` makes the following backwards accumulate locally without
+        reducing, exactly as inside :meth:`no_sync` (which sets it and restores it), until
+        it is ``True`` again; the backward after that reduces the sum.
+
+        Raises:
+            ValueError: set on a nested unit.
+            TypeError: set to something other than a bool.
+        """
+        context = self._unit.context
+        return context is None or not context.no_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"require_backward_grad_sync must be a bool, got {value!r}")
+        self._require_root("setting require_backward_grad_sync")
+        self._lazy_init()
+        assert self._unit.context is not None
+        self._unit.context.no_sync = not value
+
+    def full_parameter_shapes(self) -> dict[str, torch.Size]:
+        """The unsharded shape of every parameter, by original name (no communication).
+
+        Between steps a parameter shows only this rank's rows (Note [flat parameter layout]),
+        so ``p.numel()`` counts this rank's elements; count the model with
+        ``sum(s.numel() for s in model.full_parameter_shapes().values())``.
+
+        Returns:
+            ``{name: torch.Size}`` in ``named_parameters()`` order.
+        """
+        slots = {id(p): slot for m in self._units() if m.unit.handle is not None
+                 for p, slot in zip(m.unit.handle.params, m.unit.handle.layout.slots)}
+        return {n: slots[id(p)].shape if id(p) in slots else p.shape for n, p in self.named_parameters()}
+
     @contextlib.contextmanager
     def summon_full_params(
         self,
@@ -358,8 +396,9 @@ class FullyShardedDataParallel(nn.Module):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """Original parameters with their original names (wrapper levels removed).
 
-        Between steps each one is a 1-D view of this rank's piece of its unit's flat shard
-        (what an optimizer steps); inside ``summon_full_params`` it has its full shape.
+        Between steps each one is a view of this rank's rows of its unit's shard, with the
+        parameter's number of dimensions (what an optimizer steps; see
+        :meth:`full_parameter_shapes`); inside ``summon_full_params`` it has its full shape.
 
         Args:
             prefix, recurse, remove_duplicate: as for ``nn.Module.named_parameters``.

@@ -24,6 +24,19 @@ its internal wrapper levels and 1-D shards, so such a file loads into the plain 
 parent's ``load_state_dict`` likewise works: a pre-hook gathers full parameters and maps
 the clean names to the wrapper levels, and a post-hook writes the loaded values back to
 the shards. Both are collectives: every rank calls the parent's method.
+
+Note [state dict of the wrapped module]
+DDP users write ``raw_model = model.module`` and save ``raw_model.state_dict()``. Under
+FSDP, ``model.module`` is the wrapped module, whose own parameters are this rank's rows
+of the unit's shard between steps (Note [flat parameter layout]); torch's recursion would
+return them as they are, shards under full names, without a word. So every wrapped module
+carries state-dict hooks (:class:`WrappedStateDict`): called from outside FSDP, the
+pre-hook gathers the unit's own parameters (``summon_full_params(recurse=False)``, nested
+units answer through their wrappers as above), the post-hook replaces kept parameter
+objects (``keep_vars=True``) by copies and releases the gather. The result is the full
+state dict with the wrapped module's own names, and, like ``model.state_dict()``, a
+collective: call it on every rank (``model.state_dict(rank0_only=True)`` returns it on
+rank 0 only).
 """
 
 from __future__ import annotations
@@ -42,7 +55,7 @@ from shardopt.nn.fsdp.flat_param import ParamSlot
 from shardopt.nn.fsdp.records import TrainingState
 from shardopt.nn.fsdp.unit import Unit
 
-__all__ = ["WRAPPED", "ParentLoad", "clean_name", "load_sharded", "local_piece", "piece_tensor", "sharded_state"]
+__all__ = ["WRAPPED", "ParentLoad", "WrappedStateDict", "clean_name", "load_sharded", "local_piece", "piece_tensor", "sharded_state"]
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute under which a wrapper holds its module (one level in raw parameter names)."""
@@ -101,6 +114,44 @@ class ParentLoad:
         if self.stack is not None:
             stack, self.stack = self.stack, None
             stack.close()
+
+
+class WrappedStateDict:
+    """The state-dict hooks of one wrapped module (Note [state dict of the wrapped module]).
+
+    Args:
+        unit: the wrapper's unit (its training state says whether FSDP itself gathered).
+        summon: enters the wrapper's ``summon_full_params(recurse=False, writeback=False)``.
+    """
+
+    def __init__(self, unit: Unit, summon: Callable[[], AbstractContextManager[None]]) -> None:
+        self.unit, self.summon = unit, summon
+        self.stack: ExitStack | None = None
+
+    def _owned_by(self, module: nn.Module) -> bool:
+        handle = self.unit.handle
+        if handle is None or self.unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return False  # nothing sharded here, or FSDP's own state_dict already gathered
+        first = handle.params[0]  # not the module's any more after shardopt's release()
+        return any(p is first for p in module.parameters())
+
+    def pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``module.state_dict()`` called from outside FSDP: gather the unit's own parameters."""
+        if self.stack is None and self._owned_by(module):
+            self.stack = ExitStack()
+            self.stack.enter_context(self.summon())
+
+    def post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        """Copy gathered parameters kept as objects (``keep_vars``) and release the gather."""
+        if self.stack is None:
+            return
+        assert self.unit.handle is not None
+        own = {id(p) for p in self.unit.handle.params}
+        for key, value in state_dict.items():
+            if key.startswith(prefix) and id(value) in own:
+                state_dict[key] = value.detach().clone()
+        stack, self.stack = self.stack, None
+        stack.close()
 
 
 def _locate(units: list[Unit]) -> dict[int, Unit]:
