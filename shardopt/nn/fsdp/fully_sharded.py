@@ -187,8 +187,11 @@ class FullyShardedDataParallel(nn.Module):
         self.register_load_state_dict_post_hook(parent_load.post)
         # Note [state dict of the wrapped module] in state_dict
         own = WrappedStateDict(self._unit, lambda: self.summon_full_params(recurse=False, writeback=False))
-        self._wrapped_state_dict_handles = (module.register_state_dict_pre_hook(own.pre),
-                                  module.register_state_dict_post_hook(own.post))
+        # (functions, not bound methods: torch marks a post-hook with an attribute)
+        self._wrapped_state_dict_handles = (
+            module.register_state_dict_pre_hook(lambda *args: own.pre(*args)),
+            module.register_state_dict_post_hook(lambda *args: own.post(*args)),
+        )
         logger.debug("FSDP unit %r: %d parameters", name, len(params))
 
     # ------------------------------------------------------------------ plumbing
