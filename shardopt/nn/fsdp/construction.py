@@ -27,9 +27,11 @@ from torch import nn
 
 from shardopt import comm
 from shardopt.agreement import check_agreement
+from shardopt.nn.data_parallel.gradient_checks import refuse_sparse_modules
+from shardopt.nn.fsdp.materialize import materialize
 from shardopt.nn.fsdp.options import UnitConfig
 
-__all__ = ["agree_and_sync"]
+__all__ = ["agree_and_sync", "prepare"]
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -101,3 +103,30 @@ def agree_and_sync(
                         "pass sync_module_states=True to start every rank from rank 0's weights (what DDP does at "
                         "construction), or build the model from the same seed on every rank "
                         "(Note [same weights at construction])")
+
+
+def prepare(
+    module: nn.Module,
+    config: UnitConfig,
+    arguments: list[tuple[str, object]],
+    sync_module_states: bool,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    unowned: Callable[[nn.Parameter], bool],
+) -> None:
+    """Everything the root wrapper does to ``module`` before any unit is built: materialise
+    meta tensors, refuse sparse modules, :func:`agree_and_sync`, cast floating point buffers
+    to the mixed precision ``buffer_dtype``.
+
+    Raises:
+        ValueError: as :func:`agree_and_sync`, :func:`~shardopt.nn.fsdp.materialize.materialize`
+            and ``refuse_sparse_modules``.
+    """
+    materialize(module, param_init_fn, comm.default_device(config.shard_group))
+    refuse_sparse_modules(module, "FullyShardedDataParallel")
+    agree_and_sync(module, config, arguments, sync_module_states, unowned)
+    buffer_dtype = config.mixed_precision.buffer_dtype
+    if buffer_dtype is not None:
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and buf.is_floating_point():
+                    sub._buffers[name] = buf.to(buffer_dtype)

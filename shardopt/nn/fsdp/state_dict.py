@@ -55,7 +55,10 @@ from shardopt.nn.fsdp.flat_param import ParamSlot
 from shardopt.nn.fsdp.records import TrainingState
 from shardopt.nn.fsdp.unit import Unit
 
-__all__ = ["WRAPPED", "ParentLoad", "WrappedStateDict", "clean_name", "load_sharded", "local_piece", "piece_tensor", "sharded_state"]
+__all__ = [
+    "WRAPPED", "ParentLoad", "WrappedStateDict", "clean_name", "load_sharded", "local_piece", "piece_tensor",
+    "sharded_state", "under_prefix",
+]
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute under which a wrapper holds its module (one level in raw parameter names)."""
@@ -114,6 +117,19 @@ class ParentLoad:
         if self.stack is not None:
             stack, self.stack = self.stack, None
             stack.close()
+
+
+def under_prefix(full: dict[str, Any], args: tuple[Any, ...], destination: Any, prefix: str) -> Any:
+    """A parent's ``state_dict`` recursion reached a wrapper: the same full, clean-named
+    tensors ``full`` a direct call gives, under the parent's ``prefix`` (Note [state dict
+    through a parent]); ``args`` is torch's old positional form ``(destination, prefix, keep_vars)``."""
+    if args:
+        destination = args[0]
+        prefix = args[1] if len(args) > 1 else prefix
+    dest = destination if destination is not None else OrderedDict()
+    for name, value in full.items():
+        dest[prefix + name] = value
+    return dest
 
 
 class WrappedStateDict:

@@ -70,6 +70,8 @@ so with two ranks in fp32 the result is bit-identical to DDP's.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +88,7 @@ from shardopt.nn.fsdp.records import ForwardKind, ShardedState, StepCounts, Trai
 if TYPE_CHECKING:
     from shardopt.nn.fsdp.context import StepContext
 
-__all__ = ["PendingReduce", "SummonRecord", "Unit"]
+__all__ = ["PendingReduce", "SummonRecord", "Unit", "summon_units"]
 
 
 @dataclass
@@ -557,3 +559,24 @@ class Unit:
         handle.use_shard_views()
         for p, g in zip(handle.params, record.grads):
             p.grad = g
+
+
+@contextlib.contextmanager
+def summon_units(units: list[Unit], with_grads: bool, visible: bool, offload_to_cpu: bool,
+                 writeback: bool) -> Iterator[None]:
+    """Summon every unit of ``units`` not already summoned by an enclosing call (in order),
+    undo on exit (``summon_full_params``; arguments as :meth:`Unit.summon_` and
+    :meth:`Unit.unsummon_`)."""
+    entered: list[tuple[Unit, SummonRecord | None]] = []
+    try:
+        for unit in units:
+            if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+                continue
+            record = unit.summon_(with_grads, visible, offload_to_cpu)
+            unit.training_state = unit.training_state.advance(TrainingState.SUMMON_FULL_PARAMS, unit.rank)
+            entered.append((unit, record))
+        yield
+    finally:
+        for unit, record in entered:
+            unit.unsummon_(record, writeback)
+            unit.training_state = unit.training_state.advance(TrainingState.IDLE, unit.rank)
