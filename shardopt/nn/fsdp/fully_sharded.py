@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -170,7 +171,7 @@ class FullyShardedDataParallel(nn.Module):
         self._register_load_state_dict_pre_hook(parent_load.pre, with_module=True)
         self.register_load_state_dict_post_hook(parent_load.post)
         # Note [state dict of the wrapped module] in state_dict
-        own = WrappedStateDict(self._unit, lambda: self.summon_full_params(recurse=False, writeback=False))
+        own = WrappedStateDict(weakref.ref(self))
         self._wrapped_state_dict_handles = (  # functions: torch sets an attribute on a post-hook
             module.register_state_dict_pre_hook(lambda *args: own.pre(*args)),
             module.register_state_dict_post_hook(lambda *args: own.post(*args)),
@@ -525,7 +526,7 @@ class FullyShardedDataParallel(nn.Module):
         """Cut a full optimizer state dict to this rank's pieces (any world size or strategy).
 
         Args:
-            full_osd: from :meth:`full_optim_state_dict` (every rank passes it).
+            full_osd: from :meth:`full_optim_state_dict`, or a plain index-keyed torch.optim one (by position).
             model: this FSDP-wrapped model.
             optim: the optimizer that will ``load_state_dict`` the result, built on
                 ``model.parameters()`` with the same param groups as the consolidated one.

@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -132,37 +132,49 @@ def under_prefix(full: dict[str, Any], args: tuple[Any, ...], destination: Any, 
     return dest
 
 
+class Summoning(Protocol):
+    """What :class:`WrappedStateDict` needs of its wrapper."""
+
+    @property
+    def unit(self) -> Unit: ...
+
+    def summon_full_params(self, recurse: bool = ..., writeback: bool = ...) -> AbstractContextManager[None]: ...
+
+
 class WrappedStateDict:
     """The state-dict hooks of one wrapped module (Note [state dict of the wrapped module]).
 
     Args:
-        unit: the wrapper's unit (its training state says whether FSDP itself gathered).
-        summon: enters the wrapper's ``summon_full_params(recurse=False, writeback=False)``.
+        wrapper: a weak reference to the wrapper (the hooks stay on the module after
+            shardopt's ``release()`` and must not keep the wrapper's shards alive).
     """
 
-    def __init__(self, unit: Unit, summon: Callable[[], AbstractContextManager[None]]) -> None:
-        self.unit, self.summon = unit, summon
+    def __init__(self, wrapper: Callable[[], Summoning | None]) -> None:
+        self.wrapper = wrapper
         self.stack: ExitStack | None = None
 
-    def _owned_by(self, module: nn.Module) -> bool:
-        handle = self.unit.handle
-        if handle is None or self.unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
-            return False  # nothing sharded here, or FSDP's own state_dict already gathered
-        first = handle.params[0]  # not the module's any more after shardopt's release()
-        return any(p is first for p in module.parameters())
+    def _unit_of(self, module: nn.Module) -> Unit | None:
+        wrapper = self.wrapper()
+        unit = wrapper.unit if wrapper is not None else None
+        if unit is None or unit.handle is None or unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return None  # released, nothing sharded here, or FSDP's own state_dict already gathered
+        first = unit.handle.params[0]  # not the module's any more after shardopt's release()
+        return unit if any(p is first for p in module.parameters()) else None
 
     def pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """``module.state_dict()`` called from outside FSDP: gather the unit's own parameters."""
-        if self.stack is None and self._owned_by(module):
+        wrapper = self.wrapper()
+        if self.stack is None and wrapper is not None and self._unit_of(module) is not None:
             self.stack = ExitStack()
-            self.stack.enter_context(self.summon())
+            self.stack.enter_context(wrapper.summon_full_params(recurse=False, writeback=False))
 
     def post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         """Copy gathered parameters kept as objects (``keep_vars``) and release the gather."""
         if self.stack is None:
             return
-        assert self.unit.handle is not None
-        own = {id(p) for p in self.unit.handle.params}
+        wrapper = self.wrapper()
+        handle = wrapper.unit.handle if wrapper is not None else None
+        own = {id(p) for p in handle.params} if handle is not None else set()
         for key, value in state_dict.items():
             if key.startswith(prefix) and id(value) in own:
                 state_dict[key] = value.detach().clone()
