@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt import comm
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
+from shardopt.integrations.convert import release
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff
@@ -104,6 +105,16 @@ def _module_state_dict(rank: int, world_size: int) -> dict[str, Any]:
         loaded = gpt(seed=5)  # the file loads into the plain model
         loaded.load_state_dict(raw.state_dict())
         out[f"{wrap}/loads"] = max_abs_diff(loaded.state_dict().values(), plain.state_dict().values())
+    # after release() the plain module's state_dict is local again: its hooks find no shards
+    released = release(FSDP(gpt(), auto_wrap_policy=BLOCKS))
+    gathers: list[int] = []
+    original = comm.all_gather_into
+    comm.all_gather_into = lambda *a, **k: gathers.append(1) or original(*a, **k)  # type: ignore[assignment]
+    try:
+        out["released/diff"] = max_abs_diff(released.state_dict().values(), plain.state_dict().values())
+    finally:
+        comm.all_gather_into = original  # type: ignore[assignment]
+    out["released/no_gather_keys"] = not gathers
     return out
 
 
