@@ -45,17 +45,6 @@ class StepContext:
         """Gradient reductions in flight, oldest first."""
         self.no_sync = False
         """Accumulate gradients locally instead of reducing them (``no_sync()``)."""
-        self.scratch: list[torch.Tensor] = []
-        """Rank-major all-gather buffers that a unit has unpacked, reused by the next gather
-        of the same size in this step and dropped at its end: on the CPU a fresh buffer of a
-        unit's size is a fresh ``mmap`` whose pages fault in (Note [flat parameter layout])."""
-
-    def take_scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of ``numel`` elements (contents undefined) for a unit's all-gather."""
-        for i, t in enumerate(self.scratch):
-            if t.numel() == numel and t.dtype == dtype and t.device == device:
-                return self.scratch.pop(i)
-        return torch.empty(numel, dtype=dtype, device=device)
 
     def record(self, unit: Unit) -> None:
         """Add ``unit`` to the execution order while the first forward runs."""
@@ -108,4 +97,3 @@ class StepContext:
                 unit.reset_step_()
                 unit.training_state = unit.training_state.advance(TrainingState.IDLE, unit.rank)
             self.callback_queued = False
-            self.scratch.clear()

@@ -35,12 +35,9 @@ that view it (e.g. ``weight.t()``) stay valid across a reshard/unshard pair. Swa
 
 Cost against the former layout (1-D pieces of one parameter-major flat buffer, gathered
 straight into the full buffer): one extra read and write of the unit's gathered bytes per
-unshard; the gathered buffer next to the full buffer (``padded_numel`` elements of a unit);
-it is kept by the step context for the next gather of the same size and dropped at the end
-of the step, because on the CPU a fresh buffer of that size is a fresh ``mmap`` whose pages
-fault in on every gather (glibc maps blocks of this size; on a loaded machine that churn
-cost more than the copies);
-and per-parameter rather than per-unit padding (at most ``S - 1`` rows a parameter). Checkpoints are
+unshard, the temporary gathered buffer alive next to the full buffer until the copy-out
+(peak ``+ padded_numel`` elements of the largest unit being gathered), and per-parameter
+rather than per-unit padding (at most ``S - 1`` rows a parameter). Checkpoints are
 unchanged: rank ``r``'s rows of a parameter are one contiguous range of its flattened
 elements, so the 1-D ``ShardedTensor`` descriptions (Note [sharded state dict]) still hold.
 """

@@ -259,7 +259,6 @@ class Unit:
                     for unit in ctx.units:
                         unit.reshard_()
                     ctx.exec_order_done = True
-                    ctx.scratch.clear()
                 return
             hooked = False
             for t in tensors_in(out):
@@ -335,7 +334,7 @@ class Unit:
             self._show_full()
             return
         # Rank-major, unpacked into the full buffer when complete (Note [flat parameter layout]).
-        self.gathered = self._ctx().take_scratch(handle.layout.padded_numel, handle.compute_dtype, handle.device)
+        self.gathered = torch.empty(handle.layout.padded_numel, dtype=handle.compute_dtype, device=handle.device)
         self.gather = comm.all_gather_into(
             self.gathered, handle.gather_source(), self.config.shard_group, label=self._label("all_gather")
         )
@@ -351,7 +350,6 @@ class Unit:
         assert self.handle is not None and self.gathered is not None
         self.handle.alloc_full()
         self.handle.unpack(self.gathered, self.handle.full)
-        self._ctx().scratch.append(self.gathered)
         self.gathered = None
         self._show_full()
 
