@@ -121,9 +121,14 @@ def _errors(rank: int, world_size: int) -> dict[str, str]:
     sharded = root.sharded_state_dict()
     sharded.pop("pos")
     m["sharded_missing"] = _message(lambda: root.load_sharded_state_dict(sharded), ValueError)
-    other = FSDP(gpt())  # one unit: other flat offsets, other pieces
+    # Another wrapping holds the same rows of every parameter (Note [flat parameter layout]):
+    # its sharded state dict loads; an entry of another parameter's size is refused.
+    other = FSDP(gpt(), auto_wrap_policy=ModuleClassPolicy((nn.Linear,)))
+    root.load_sharded_state_dict(other.sharded_state_dict())
+    mixed = other.sharded_state_dict()
+    mixed["embed.weight"] = mixed["pos"]
     try:
-        root.load_sharded_state_dict(other.sharded_state_dict())
+        root.load_sharded_state_dict(mixed)
         m["sharded_layout"] = ""
     except ValueError as exc:
         m["sharded_layout"] = str(exc)
@@ -191,7 +196,7 @@ def test_user_mistakes_raise_errors_that_say_what_to_do() -> None:
     for messages in results:
         for key, fragment in EXPECTED.items():
             assert fragment in messages[key], (key, messages[key])
-    # pieces differ on at least one rank (which one depends on where the offsets fall)
+    # the swapped entry's piece has another size on at least one rank
     assert any("use this model's own sharded_state_dict()" in m["sharded_layout"] for m in results), results
 
 

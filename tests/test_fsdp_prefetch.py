@@ -16,6 +16,7 @@ from shardopt import comm
 from shardopt.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
+from tests.helpers.fsdp import all_sharded
 from tests.helpers.gpt import Block, lm_loss, tokens
 from tests.helpers.gpt import SkippingGPT as _SkippingGPT
 
@@ -56,7 +57,7 @@ def _events(rank: int, world_size: int) -> dict[str, Any]:
                     core.skip = (1,)
                     _logged_step(model, core, rank, log)
                     out[f"{fwd}/{bwd}/{limit}/skip"] = list(log)
-                    assert all(p.dim() == 1 for p in model.parameters())
+                    assert all_sharded(model)
     finally:
         comm.all_gather_into = original  # type: ignore[assignment]
     return out

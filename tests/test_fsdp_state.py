@@ -17,6 +17,7 @@ from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.fsdp import all_sharded
 from tests.helpers.gpt import Block, gpt, lm_loss, tokens
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -130,11 +131,13 @@ def _summon(rank: int, world_size: int) -> dict[str, float]:
         full = dict(model.named_parameters())
         out["with_grads"] = max(max_abs_diff([full[n].grad], [p.grad]) for n, p in ref.module.named_parameters())
         out["shapes"] = float(any(full[n].shape != p.shape for n, p in ref.module.named_parameters()))
-    assert all(p.dim() == 1 for p in model.parameters())
+    assert all_sharded(model)
+    full_shapes = model.full_parameter_shapes()
     with model.summon_full_params(recurse=False):  # only the root's own parameters are full
         own = dict(model.named_parameters())
-        assert own["ln_f.weight"].dim() == 1 and own["blocks.0.qkv.weight"].dim() == 1
-        assert own["embed.weight"].dim() == 2 and own["pos"].dim() == 2
+        assert own["blocks.0.qkv.weight"].shape != full_shapes["blocks.0.qkv.weight"]
+        assert own["embed.weight"].shape == full_shapes["embed.weight"] and own["pos"].shape == full_shapes["pos"]
+        assert own["ln_f.weight"].shape == full_shapes["ln_f.weight"]
     with model.summon_full_params():
         model.module.blocks[1].proj.weight.data.fill_(0.5)
     with model.summon_full_params(writeback=False):
@@ -143,8 +146,8 @@ def _summon(rank: int, world_size: int) -> dict[str, float]:
     out["writeback"] = float(not bool((sd["blocks.1.proj.weight"] == 0.5).all()))
     out["no_writeback"] = float(bool((sd["blocks.0.proj.weight"] == 0.25).any()))
     with model.summon_full_params(rank0_only=True, writeback=False, offload_to_cpu=True):
-        dims = {p.dim() for p in model.parameters()}
-        out["rank0_only"] = float(dims != ({1, 2} if rank == 0 else {1}))
+        shown_full = [p.shape == full_shapes[n] for n, p in model.named_parameters()]
+        out["rank0_only"] = float(all(shown_full) != (rank == 0))
     # apply(fn) sees full parameters and writes back, like apply on the plain module.
     plain = gpt()
 
@@ -212,7 +215,7 @@ def _ignored(rank: int, world_size: int) -> dict[str, float]:
     plain(x).pow(2).mean().backward()
     return {
         "ignored_full_shape": float(core[4].weight.dim() != 2),
-        "others_sharded": float(core[0].weight.dim() != 1),
+        "others_sharded": float(not all_sharded(model) or core[0].weight.shape == (16, 8)),
         # FSDP leaves an ignored module's gradients local (not averaged over ranks)
         "ignored_local_grad": max_abs_diff([core[4].weight.grad, core[4].bias.grad],
                                            [plain[4].weight.grad, plain[4].bias.grad]),
@@ -309,7 +312,7 @@ def _through_a_parent(rank: int, world_size: int) -> dict[str, float]:
     fresh = _Parent(FSDP(gpt(seed=3), auto_wrap_policy=BLOCKS))  # ... and into a wrapped one
     fresh.load_state_dict(saved)
     out["into_wrapped"] = max_abs_diff(fresh.state_dict().values(), expected.values())
-    out["sharded_after_load"] = float(not all(p.dim() == 1 for p in fresh.net.parameters()))
+    out["sharded_after_load"] = float(not all_sharded(fresh.net))
     _train(ref, opt_ref, rank, range(2, 3))  # and the loaded model trains on like the original
     opt_fresh = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     opt_fresh.load_state_dict(opt.state_dict())

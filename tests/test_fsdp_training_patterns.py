@@ -19,6 +19,7 @@ from shardopt.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import RankFailure, run_ranks
 from tests.helpers.data import max_abs_diff
+from tests.helpers.fsdp import all_sharded
 from tests.helpers.gpt import Block, TinyGPT, gpt, lm_loss, tokens
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -36,8 +37,8 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, toks: torch.Tensor, set_
 
 
 def _all_sharded(model: nn.Module) -> bool:
-    """Every parameter is a 1-D shard piece (no unit left gathered)."""
-    return all(p.dim() == 1 for p in model.parameters())
+    """Every parameter shows its rows of its unit's shard (no unit left gathered)."""
+    return all_sharded(model)
 
 
 def _eval_after_training(rank: int, world_size: int) -> dict[str, float]:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardopt.nn.data_parallel.grad_buckets import plan_buckets
-from shardopt.nn.fsdp.flat_param import FlatLayout
+from shardopt.nn.fsdp.flat_param import FlatLayout, FlatParamHandle
 
 shape_st = st.lists(st.integers(min_value=0, max_value=6), min_size=0, max_size=3).map(tuple)
 
@@ -83,34 +83,62 @@ def test_bucket_plan_depends_only_on_shapes_dtypes_and_owners(
 
 @settings(max_examples=300, deadline=None)
 @given(shapes=st.lists(shape_st, min_size=0, max_size=8), shard_size=st.integers(min_value=1, max_value=7))
-def test_flat_layout_shards_tile_every_parameter_exactly_once(shapes: list[tuple[int, ...]], shard_size: int) -> None:
+def test_flat_layout_gives_every_rank_whole_rows_tiling_every_parameter_once(
+    shapes: list[tuple[int, ...]], shard_size: int
+) -> None:
     layouts = [FlatLayout.build([torch.Size(s) for s in shapes], r, shard_size) for r in range(shard_size)]
-    total = sum(torch.Size(s).numel() for s in shapes)
     first = layouts[0]
-    assert first.total_numel == total
-    assert first.padded_numel % shard_size == 0 and 0 <= first.padded_numel - total < shard_size
+    assert first.total_numel == sum(torch.Size(s).numel() for s in shapes)
     assert first.shard_numel * shard_size == first.padded_numel
-    # every rank agrees on the flat offsets; parameters lie end to end
-    offset = 0
+    assert first.shard_numel == sum(s.segment_numel for s in first.slots)
     for i, shape in enumerate(shapes):
-        for lay in layouts:
-            assert lay.slots[i].offset == offset and lay.slots[i].shape == torch.Size(shape)
-        offset += torch.Size(shape).numel()
-    for i in range(len(shapes)):
-        pieces = sorted(
-            (lay.slots[i].piece_begin, lay.slots[i].piece_numel, r)
-            for r, lay in enumerate(layouts) if lay.slots[i].piece_numel
-        )
+        shape = torch.Size(shape)
+        rows, row_numel = (shape[0], shape[1:].numel()) if shape else (1, 1)
+        slots = [lay.slots[i] for lay in layouts]
+        # every rank agrees on the offsets, the segment and the row slots
+        assert len({(s.offset, s.shard_begin, s.rows_per_rank, s.row_numel) for s in slots}) == 1
+        assert slots[0].rows_per_rank == -(-rows // shard_size) and slots[0].row_numel == row_numel
         covered = 0
-        for begin, count, r in pieces:  # the pieces tile [0, numel) in rank order
-            assert begin == covered
-            slot = layouts[r].slots[i]
-            flat_pos = slot.offset + begin
-            assert flat_pos == r * first.shard_numel + slot.shard_begin  # where the shard holds it
-            assert 0 <= slot.shard_begin and slot.shard_begin + count <= first.shard_numel
-            covered += count
-        assert covered == layouts[0].slots[i].numel
-    # inside one shard, pieces do not overlap
-    for lay in layouts:
-        spans = sorted((s.shard_begin, s.shard_begin + s.piece_numel) for s in lay.slots if s.piece_numel)
-        assert all(a_end <= b_begin for (_, a_end), (b_begin, _) in zip(spans, spans[1:]))
+        for r, slot in enumerate(slots):  # rank r holds rows [r * k, ...): whole rows, in rank order
+            assert slot.local_shape[1:] == shape[1:] and len(slot.local_shape) == max(1, len(shape))
+            assert slot.piece_numel == slot.local_shape.numel() <= slot.segment_numel
+            if slot.piece_numel:
+                assert slot.piece_begin == covered == r * slot.rows_per_rank * row_numel
+            covered += slot.piece_numel
+        assert covered == shape.numel()
+    # segments lie end to end in every shard, parameters end to end (padded rows) in the full buffer
+    offset = shard_offset = 0
+    for slot in first.slots:
+        assert slot.offset == offset and slot.shard_begin == shard_offset
+        offset += shard_size * slot.segment_numel
+        shard_offset += slot.segment_numel
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes=st.lists(shape_st, min_size=1, max_size=6), shard_size=st.integers(min_value=1, max_value=5))
+def test_packed_gradients_and_unpacked_gathers_round_trip_through_every_ranks_rows(
+    shapes: list[tuple[int, ...]], shard_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(len(shapes) * 10 + shard_size)
+    values = [torch.randn(s, generator=gen) for s in shapes]
+    handles = [
+        FlatParamHandle([torch.nn.Parameter(v.clone()) for v in values], r, shard_size, None)
+        for r in range(shard_size)
+    ]
+    for h in handles:  # between steps every parameter shows this rank's rows, with its dimensions
+        for p, v, slot in zip(h.params, values, h.layout.slots):
+            assert p.shape == slot.local_shape and p.dim() == max(1, v.dim())
+            assert torch.equal(p.reshape(-1), v.reshape(-1)[slot.piece_begin : slot.piece_begin + slot.piece_numel])
+    gathered = torch.cat([h.shard for h in handles])  # what an all-gather of the shards holds
+    for view, v in zip(handles[0].views_into(handles[0].unpack(gathered)), values):
+        assert torch.equal(view, v)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    packed = torch.full((handles[0].layout.padded_numel,), float("nan"))
+    handles[0].pack(grads, packed, accumulate=False)
+    handles[0].pack(grads, packed, accumulate=True)  # doubles: what no_sync accumulation does
+    shards = packed.view(shard_size, -1)  # what a reduce-scatter hands each rank
+    for r, h in enumerate(handles):
+        assert not shards[r].isnan().any()  # padding rows are written (zeros) too
+        for g, slot in zip(grads, h.layout.slots):
+            expected = 2 * g.reshape(-1)[slot.piece_begin : slot.piece_begin + slot.piece_numel]
+            assert torch.equal(h.local_of(shards[r], slot).reshape(-1), expected)

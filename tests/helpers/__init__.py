@@ -8,5 +8,6 @@
 - :mod:`tests.helpers.cli`: the tiny-model arguments and the one-line-error check of the CLI tests.
 - :mod:`tests.helpers.gpt`: the tiny GPT (blocks, tied head) of the FSDP tests.
 - :mod:`tests.helpers.sdp`: the branchy model and tolerances of the ShardedDataParallel tests.
+- :mod:`tests.helpers.fsdp`: whether an FSDP model shows its shards (no unit left gathered).
 - :mod:`tests.helpers.processes`: the repository root and a session's live processes.
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -21,11 +22,10 @@ import torch
 from torch import nn
 
 from shardopt import clipping, comm
-from shardopt.agreement import check_agreement
 from shardopt.nn.fsdp import grad_norm, optim_state_dict
+from shardopt.nn.fsdp.construction import prepare
 from shardopt.nn.fsdp.context import StepContext
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
-from shardopt.nn.fsdp.materialize import materialize
 from shardopt.nn.fsdp.options import (
     BackwardPrefetch,
     MixedPrecision,
@@ -34,10 +34,10 @@ from shardopt.nn.fsdp.options import (
     make_config,
 )
 from shardopt.nn.fsdp.records import TrainingState
-from shardopt.nn.fsdp.state_dict import WRAPPED, ParentLoad, check_loadable, clean_name, load_sharded, sharded_state
-from shardopt.nn.fsdp.unit import Unit
+from shardopt.nn.fsdp.state_dict import WRAPPED, ParentLoad, WrappedStateDict, check_loadable, clean_name
+from shardopt.nn.fsdp.state_dict import load_sharded, sharded_state, under_prefix
+from shardopt.nn.fsdp.unit import Unit, summon_units
 from shardopt.nn.fsdp.wrap import AutoWrapPolicy, auto_wrap, claim_params, owner_of, registrations
-from shardopt.nn.module_checks import refuse_sparse_modules
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -48,12 +48,14 @@ class FullyShardedDataParallel(nn.Module):
 
     How it works: the parameters of the wrapped module that no nested unit owns are flattened
     into one buffer padded to a multiple of the shard group size; each rank keeps its
-    ``1/N`` slice (Note [flat parameter layout] in ``flat_param``). The original parameters
-    stay registered under their original names and are views: of this rank's slice between
-    steps, of the all-gathered buffer during forward and backward. Gradients are multiplied
+    ``1/N`` of every parameter's rows (Note [flat parameter layout] in ``flat_param``). The
+    original parameters stay registered under their original names and are views: of this
+    rank's rows between steps (so ``p.dim()`` is unchanged and shape-based optimizer groups
+    work; ``p.numel()`` counts this rank's rows), of the gathered parameters during forward
+    and backward. Gradients are multiplied
     by ``1/N`` and reduce-scattered after each unit's backward, so every rank holds only its
     gradient slice (Note [hook order] in ``unit``). ``parameters()`` therefore yields the sharded fp32
-    master pieces, and any ``torch.optim`` optimizer built on them steps only this rank's
+    master rows, and any ``torch.optim`` optimizer built on them steps only this rank's
     shard with sharded state. Shared parameters are owned by the lowest unit enclosing
     all their users (Note [shared parameters] in ``wrap``).
 
@@ -68,7 +70,9 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: alternative to ``process_group``: 1-D, or 2-D ``(replicate, shard)`` for
             HYBRID_SHARD.
         sync_module_states: broadcast the parameters and buffers of rank 0 (of the model's
-            groups) to all its ranks before sharding.
+            groups) to all its ranks before sharding, as DDP does. Default ``False`` (torch's
+            and fairscale's signature): no broadcast, but ranks whose weights differ are
+            refused (Note [same weights at construction] in ``construction``).
         param_init_fn: materialises a module created on the meta device; without it such a
             module is moved with ``to_empty`` and each submodule's ``reset_parameters()`` runs
             (a meta tensor no ``reset_parameters()`` would initialise is refused).
@@ -79,7 +83,8 @@ class FullyShardedDataParallel(nn.Module):
 
     Raises:
         ValueError: ``module`` is already wrapped, a shared parameter crosses units wrapped
-            by hand, inconsistent process groups for the strategy, meta tensors remain, or
+            by hand, inconsistent process groups for the strategy, ranks' weights differ
+            without ``sync_module_states``, meta tensors remain, or
             (without ``param_init_fn``) a meta tensor belongs to a module without ``reset_parameters()``.
         TypeError: wrong argument types, or one unit's parameters of several dtypes.
         RuntimeError: torch.distributed is not initialised.
@@ -118,36 +123,14 @@ class FullyShardedDataParallel(nn.Module):
             forward_prefetch, backward_prefetch, limit_all_gathers,
         )
         ignored = {id(m) for top in (ignored_modules or ()) for m in top.modules()}
-        materialize(module, param_init_fn, comm.default_device(config.shard_group))
-        refuse_sparse_modules(module, "FullyShardedDataParallel")
-        # Note [agree before the first collective] in shardopt.agreement: a rank whose
-        # parameters are registered in another order would fill the flat layout differently.
-        for size, agreeing in ((config.shard_size, config.shard_group),
-                               (config.replicate_size, config.replicate_group)):
-            if size == 1:
-                continue
-            check_agreement("FullyShardedDataParallel", [
-                ("sharding_strategy", config.strategy.name), ("mixed_precision", config.mixed_precision),
-                ("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch),
-                ("limit_all_gathers", limit_all_gathers), ("sync_module_states", sync_module_states),
-                ("auto_wrap_policy", type(auto_wrap_policy).__qualname__),
-                ("parameters (name, shape, dtype) in registration order",  # not those of units built before
-                 [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters() if owner_of(p) is None]),
-            ], agreeing, "build the same model, in the same order, with the same FSDP arguments on every rank")
-        if sync_module_states:
-            # From rank 0 of the shard group, then from rank 0 of the replica group: every rank
-            # of the model's groups ends with the values of the first rank of the first group.
-            groups = [(config.shard_size, config.shard_group), (config.replicate_size, config.replicate_group)]
-            for size, group in groups:
-                if size > 1:
-                    for tensor in list(module.parameters()) + list(module.buffers()):
-                        comm.broadcast(tensor.data, 0, group, label="shardopt::fsdp::sync_module_states").wait()
-        buffer_dtype = config.mixed_precision.buffer_dtype
-        if buffer_dtype is not None:
-            for sub in module.modules():
-                for name, buf in sub._buffers.items():
-                    if buf is not None and buf.is_floating_point():
-                        sub._buffers[name] = buf.to(buffer_dtype)
+        arguments: list[tuple[str, object]] = [
+            ("sharding_strategy", config.strategy.name), ("mixed_precision", config.mixed_precision),
+            ("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch),
+            ("limit_all_gathers", limit_all_gathers), ("sync_module_states", sync_module_states),
+            ("auto_wrap_policy", type(auto_wrap_policy).__qualname__),
+        ]
+        prepare(module, config, arguments, sync_module_states, param_init_fn,  # Note [same weights at
+                lambda p: owner_of(p) is None)  # construction] in construction
         if auto_wrap_policy is not None:
             auto_wrap(
                 module, "", auto_wrap_policy, registrations(module), ignored,
@@ -187,6 +170,12 @@ class FullyShardedDataParallel(nn.Module):
         parent_load = ParentLoad(self._unit, lambda: self.summon_full_params(recurse=True, writeback=True))
         self._register_load_state_dict_pre_hook(parent_load.pre, with_module=True)
         self.register_load_state_dict_post_hook(parent_load.post)
+        # Note [state dict of the wrapped module] in state_dict
+        own = WrappedStateDict(weakref.ref(self))
+        self._wrapped_state_dict_handles = (  # functions: torch sets an attribute on a post-hook
+            module.register_state_dict_pre_hook(lambda *args: own.pre(*args)),
+            module.register_state_dict_post_hook(lambda *args: own.post(*args)),
+        )
         logger.debug("FSDP unit %r: %d parameters", name, len(params))
 
     # ------------------------------------------------------------------ plumbing
@@ -228,6 +217,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _units(self) -> list[FullyShardedDataParallel]:
         return FullyShardedDataParallel.fsdp_modules(self)
+
 
     def _lazy_init(self) -> None:
         """At the outermost wrapper's first forward: one step context for every unit of its tree."""
@@ -283,14 +273,38 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: called on a nested unit.
         """
         self._require_root("no_sync()")
-        self._lazy_init()
-        context = self._unit.context
-        assert context is not None
-        previous, context.no_sync = context.no_sync, True
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:
-            context.no_sync = previous
+            self.require_backward_grad_sync = previous
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch: while ``False`` backwards accumulate locally, as inside :meth:`no_sync`
+        (which sets and restores it); the next backward with ``True`` reduces the sum.
+        Setting it raises ``ValueError`` on a nested unit, ``TypeError`` for a non-bool."""
+        context = self._unit.context
+        return context is None or not context.no_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"require_backward_grad_sync must be a bool, got {value!r}")
+        self._require_root("setting require_backward_grad_sync")
+        self._lazy_init()
+        assert self._unit.context is not None
+        self._unit.context.no_sync = not value
+
+    def full_parameter_shapes(self) -> dict[str, torch.Size]:
+        """``{original name: full torch.Size}`` in ``named_parameters()`` order (local).
+
+        Between steps ``p.numel()`` counts this rank's rows (Note [flat parameter layout]);
+        the model's count is ``sum(s.numel() for s in model.full_parameter_shapes().values())``.
+        """
+        slots = {id(p): slot for m in self._units() if m.unit.handle is not None
+                 for p, slot in zip(m.unit.handle.params, m.unit.handle.layout.slots)}
+        return {n: slots[id(p)].shape if id(p) in slots else p.shape for n, p in self.named_parameters()}
 
     @contextlib.contextmanager
     def summon_full_params(
@@ -303,9 +317,8 @@ class FullyShardedDataParallel(nn.Module):
     ) -> Iterator[None]:
         """Show the full, original-shaped parameters (master dtype) inside the context.
 
-        How it works: each unit all-gathers its fp32 shard into a temporary flat buffer and
-        points its parameters at views of it; on exit this rank's slice is copied back into
-        its shard (``writeback``) and the parameters point at their shard pieces again.
+        How it works: each unit all-gathers its shard into a temporary buffer and points its
+        parameters at views of it; on exit this rank's rows are copied back (``writeback``).
 
         Args:
             recurse: also the nested units (else only this unit's own parameters).
@@ -322,22 +335,10 @@ class FullyShardedDataParallel(nn.Module):
                 "summon_full_params(rank0_only=True, writeback=True) is not supported: ranks other than 0 "
                 "hold no full copy to write back; pass writeback=False"
             )
-        units = self._units() if recurse else [self]
+        units = [m.unit for m in (self._units() if recurse else [self])]
         visible = not rank0_only or comm.group_rank(None) == 0
-        entered: list[tuple[Unit, Any]] = []
-        try:
-            for m in units:
-                unit = m.unit
-                if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
-                    continue  # already summoned by an enclosing call
-                record = unit.summon_(with_grads, visible, offload_to_cpu)
-                unit.training_state = unit.training_state.advance(TrainingState.SUMMON_FULL_PARAMS, unit.rank)
-                entered.append((unit, record))
+        with summon_units(units, with_grads, visible, offload_to_cpu, writeback):
             yield
-        finally:
-            for unit, record in entered:
-                unit.unsummon_(record, writeback)
-                unit.training_state = unit.training_state.advance(TrainingState.IDLE, unit.rank)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """Apply ``fn`` to every submodule with full parameters (written back to the shards).
@@ -358,8 +359,8 @@ class FullyShardedDataParallel(nn.Module):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """Original parameters with their original names (wrapper levels removed).
 
-        Between steps each one is a 1-D view of this rank's piece of its unit's flat shard
-        (what an optimizer steps); inside ``summon_full_params`` it has its full shape.
+        Between steps each is this rank's rows (what an optimizer steps, same ``dim()``, see
+        :meth:`full_parameter_shapes`); inside ``summon_full_params`` it has its full shape.
 
         Args:
             prefix, recurse, remove_duplicate: as for ``nn.Module.named_parameters``.
@@ -409,15 +410,8 @@ class FullyShardedDataParallel(nn.Module):
             if self._unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
                 # inside an enclosing unit's gather: raw entries, the caller cleans the names
                 return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-            # Note [state dict through a parent] in state_dict: the same full, clean-named
-            # tensors a direct call gives, under the parent's prefix.
-            if args:  # torch's old positional form state_dict(destination, prefix, keep_vars)
-                destination = args[0]
-                prefix = args[1] if len(args) > 1 else prefix
-            dest = destination if destination is not None else OrderedDict()
-            for name, value in self.state_dict().items():
-                dest[prefix + name] = value
-            return dest
+            # Note [state dict through a parent] in state_dict
+            return under_prefix(self.state_dict(), args, destination, prefix)
         out: dict[str, Any] = OrderedDict()
         with self.summon_full_params(recurse=True, writeback=False, rank0_only=rank0_only,
                                      offload_to_cpu=offload_to_cpu):
@@ -456,10 +450,8 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the sharded gradients by their global norm, like ``torch.nn.utils.clip_grad_norm_``.
 
-        How it works: every rank computes the ``norm_type`` power sum (or max) over its
-        gradient pieces, one all-reduce over the shard group combines them (replicas hold
-        equal values and are not counted twice), unsharded parameters of ignored modules add
-        their local terms, and every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``.
+        How it works: see :func:`shardopt.nn.fsdp.grad_norm.clip_grad_norm` (one all-reduce
+        of the ranks' power sums; ignored modules' parameters add their local terms).
 
         Args:
             max_norm: the largest allowed total norm.
@@ -489,11 +481,8 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             ValueError: called on a nested unit.
         """
-        self._require_root("sharded_state_dict()")
-        units = [m.unit for m in self._units()]
-        for unit in units:
-            unit.reshard_()  # e.g. SHARD_GRAD_OP after a forward whose backward never came
-        return sharded_state(units, dict(self.named_parameters()), dict(self.named_buffers()))
+        return sharded_state(_resharded(self, "sharded_state_dict()"), dict(self.named_parameters()),
+                             dict(self.named_buffers()))
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a sharded state dict in this model's layout into the shards (Note [sharded state dict]).
@@ -501,10 +490,7 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             ValueError: called on a nested unit, names missing, or pieces of another layout.
         """
-        self._require_root("load_sharded_state_dict()")
-        units = [m.unit for m in self._units()]
-        for unit in units:
-            unit.reshard_()
+        units = _resharded(self, "load_sharded_state_dict()")
         load_sharded(units, dict(self.named_parameters()), dict(self.named_buffers()), state_dict)
 
     # ------------------------------------------------------------------ optimizer state
@@ -530,8 +516,7 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             ValueError: the optimizer holds a foreign parameter, or ranks hold different keys.
         """
-        units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
-        named = {clean_name(n): p for n, p in model.named_parameters()}
+        units, named = _units_named(model)
         return optim_state_dict.full_optim_state_dict(units, named, optim, rank0_only)
 
     @staticmethod
@@ -540,7 +525,7 @@ class FullyShardedDataParallel(nn.Module):
         """Cut a full optimizer state dict to this rank's pieces (any world size or strategy).
 
         Args:
-            full_osd: from :meth:`full_optim_state_dict` (every rank passes it).
+            full_osd: from :meth:`full_optim_state_dict`, or a plain index-keyed torch.optim one (by position).
             model: this FSDP-wrapped model.
             optim: the optimizer that will ``load_state_dict`` the result, built on
                 ``model.parameters()`` with the same param groups as the consolidated one.
@@ -551,8 +536,7 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             ValueError: not a full optimizer state dict, or its groups/names do not match.
         """
-        units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
-        named = {clean_name(n): p for n, p in model.named_parameters()}
+        units, named = _units_named(model)
         return optim_state_dict.shard_full_optim_state_dict(full_osd, units, named, optim)
 
     @staticmethod
@@ -577,8 +561,7 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: a foreign parameter in ``optim``, or a fresh optimizer whose
                 parameters hold gradients.
         """
-        units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
-        named = {clean_name(n): p for n, p in model.named_parameters()}
+        units, named = _units_named(model)
         return optim_state_dict.sharded_optim_state_dict(units, named, optim)
 
     @staticmethod
@@ -594,6 +577,18 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             ValueError: not such a dict, or groups, names or pieces that do not match.
         """
-        units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
-        named = {clean_name(n): p for n, p in model.named_parameters()}
+        units, named = _units_named(model)
         optim_state_dict.load_sharded_optim_state_dict(units, named, optim, osd)
+
+
+def _units_named(model: nn.Module) -> tuple[list[Unit], dict[str, nn.Parameter]]:
+    units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(model)]
+    return units, {clean_name(n): p for n, p in model.named_parameters()}
+
+
+def _resharded(root: FullyShardedDataParallel, what: str) -> list[Unit]:
+    root._require_root(what)
+    units = [m.unit for m in root._units()]
+    for unit in units:
+        unit.reshard_()  # e.g. SHARD_GRAD_OP after a forward whose backward never came
+    return units

@@ -1,8 +1,8 @@
 """Optimizer state of FSDP models: consolidate to a plain full state dict, re-shard it, or
 describe it sharded for ``torch.distributed.checkpoint``.
 
-An optimizer built on ``FullyShardedDataParallel(...).parameters()`` sees 1-D pieces of the
-original parameters (Note [flat parameter layout]), so its per-parameter state tensors
+An optimizer built on ``FullyShardedDataParallel(...).parameters()`` sees this rank's rows
+of the original parameters (Note [flat parameter layout]), so its per-parameter state tensors
 (``exp_avg``, ``momentum_buffer``, ...) are pieces too. Consolidation gathers each piece into
 the parameter's full shape and keys everything by original parameter name; the result
 has no trace of the world size and can be re-sharded for any world size, strategy or
@@ -54,7 +54,7 @@ def _locate(units: list[Unit]) -> dict[int, tuple[Unit, ParamSlot]]:
 
 
 def _is_piece(value: Any, slot: ParamSlot) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == slot.piece_numel
+    return isinstance(value, torch.Tensor) and value.shape == slot.local_shape
 
 
 def _gather_piece(unit: Unit, slot: ParamSlot, piece: torch.Tensor) -> torch.Tensor:
@@ -62,13 +62,14 @@ def _gather_piece(unit: Unit, slot: ParamSlot, piece: torch.Tensor) -> torch.Ten
     assert handle is not None
     layout = handle.layout
     shard = torch.zeros(layout.shard_numel, dtype=piece.dtype, device=piece.device)
-    shard[slot.shard_begin : slot.shard_begin + slot.piece_numel].copy_(piece)
+    handle.local_of(shard, slot).copy_(piece)
     if unit.config.shard_size == 1:
-        full = shard
+        packed = shard
     else:
-        full = torch.empty(layout.padded_numel, dtype=piece.dtype, device=piece.device)
-        comm.all_gather_into(full, shard, unit.config.shard_group, label="shardopt::fsdp::optim_state").wait()
-    return full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        packed = torch.empty(layout.padded_numel, dtype=piece.dtype, device=piece.device)
+        comm.all_gather_into(packed, shard, unit.config.shard_group, label="shardopt::fsdp::optim_state").wait()
+    # The parameter's rows, strided across the rank-major buffer (Note [flat parameter layout]).
+    return layout.rows_in(packed, slot).reshape(-1)[: slot.numel].reshape(slot.shape).clone()
 
 
 def full_optim_state_dict(
@@ -144,9 +145,12 @@ def shard_full_optim_state_dict(
     Returns:
         A state dict in ``torch.optim`` format (integer parameter ids).
 
+    A plain ``torch.optim`` state dict (e.g. saved from DDP, keyed by index) is mapped to
+    ``optim``'s parameters by position, as ``Optimizer.load_state_dict`` would map it.
+
     Raises:
         ValueError: the dict is not a full optimizer state dict, or its groups or names do
-            not match ``optim``.
+            not match ``optim`` (for an index-keyed dict: group sizes or shapes at a position).
     """
     if not isinstance(full_osd, dict) or "state" not in full_osd or "param_groups" not in full_osd:
         raise ValueError(
@@ -155,6 +159,8 @@ def shard_full_optim_state_dict(
         )
     names = {id(p): n for n, p in named_params.items()}
     where = _locate(units)
+    if _index_keyed(full_osd):
+        full_osd = _keyed_by_name(full_osd, optim, names, where)
     if len(full_osd["param_groups"]) != len(optim.param_groups):
         raise ValueError(
             f"full_osd has {len(full_osd['param_groups'])} param groups but optim has {len(optim.param_groups)}; "
@@ -179,6 +185,7 @@ def shard_full_optim_state_dict(
                         and value.dim() > 0:
                     slot = located[1]
                     value = value.reshape(-1)[slot.piece_begin : slot.piece_begin + slot.piece_numel]
+                    value = value.view(slot.local_shape)
                 entry[key] = value.clone().to(p.device) if isinstance(value, torch.Tensor) else value
             if entry:
                 state[index] = entry
@@ -186,6 +193,54 @@ def shard_full_optim_state_dict(
             index += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+def _index_keyed(osd: dict[str, Any]) -> bool:
+    return any(isinstance(i, int) for g in osd["param_groups"] for i in g.get("params", ()))
+
+
+def _keyed_by_name(osd: dict[str, Any], optim: torch.optim.Optimizer, names: dict[int, str],
+                   where: dict[int, tuple[Unit, ParamSlot]]) -> dict[str, Any]:
+    """A plain ``torch.optim`` state dict (parameters keyed by index) keyed by this model's
+    parameter names instead, mapping by position: the i-th saved parameter of each group is
+    the i-th parameter of ``optim``'s matching group, as ``Optimizer.load_state_dict`` maps it.
+
+    Raises:
+        ValueError: the group sizes differ, or a saved state tensor's shape is not its
+            parameter's full shape (the parameters are in another order).
+    """
+    fix = ("build the optimizer over the parameters in the order and grouping of the one that was saved "
+           "(e.g. the same param groups over model.parameters()), or save with "
+           "FullyShardedDataParallel.full_optim_state_dict (keyed by name)")
+    saved_sizes = [len(g["params"]) for g in osd["param_groups"]]
+    sizes = [len(g["params"]) for g in optim.param_groups]
+    if saved_sizes != sizes:
+        raise ValueError(
+            f"full_osd is a plain torch.optim state dict (parameters keyed by index), mapped to this optimizer's "
+            f"parameters by position, but its param groups hold {saved_sizes} parameters and optim's hold {sizes}; {fix}"
+        )
+    mapping: dict[int, str] = {}
+    for saved, group in zip(osd["param_groups"], optim.param_groups):
+        for index, p in zip(saved["params"], group["params"]):
+            if id(p) not in names:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the model's "
+                    "parameters; build the optimizer on the FullyShardedDataParallel model's parameters()"
+                )
+            mapping[index] = names[id(p)]
+            located = where.get(id(p))
+            full_shape = located[1].shape if located is not None else p.shape
+            for key, value in osd["state"].get(index, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != full_shape:
+                    raise ValueError(
+                        f"full_osd is a plain torch.optim state dict (parameters keyed by index): its state "
+                        f"{key!r} of parameter {index} has shape {tuple(value.shape)}, but the parameter at that "
+                        f"position, {names[id(p)]!r}, has shape {tuple(full_shape)}; {fix}"
+                    )
+    return {
+        "state": {mapping[i]: v for i, v in osd["state"].items() if i in mapping},
+        "param_groups": [{**g, "params": [mapping[i] for i in g["params"]]} for g in osd["param_groups"]],
+    }
 
 
 def _names_in_order(named_params: dict[str, nn.Parameter], optim: torch.optim.Optimizer) -> list[str]:
@@ -259,8 +314,11 @@ def sharded_optim_state_dict(
         located = where.get(id(p))
         entry: dict[str, Any] = {}
         for key, value in optim.state.get(p, {}).items():
-            if located is not None and located[0].config.shard_size > 1 and _is_piece(value, located[1]):
-                entry[key] = piece_tensor(value, located[1], located[0].config.shard_group)
+            if located is not None and _is_piece(value, located[1]):
+                if located[0].config.shard_size > 1:
+                    entry[key] = piece_tensor(value, located[1], located[0].config.shard_group)
+                else:  # the whole parameter, 1-D like the sharded entries (a view dcp.load fills)
+                    entry[key] = value.reshape(-1)
             else:
                 entry[key] = value
         state[name] = entry
@@ -306,6 +364,8 @@ def load_sharded_optim_state_dict(
             if isinstance(value, ShardedTensor):
                 value = local_piece(value, p, f"sharded optimizer entry {name!r}/{key!r}",
                                     "build the load target with this model's sharded_optim_state_dict(optim)")
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and p.dim() != 1 and value.numel() == p.numel():
+                value = value.reshape(p.shape)  # this rank's rows (Note [flat parameter layout])
             entry[key] = value.clone().to(p.device) if isinstance(value, torch.Tensor) else value
         if entry:
             state[index] = entry

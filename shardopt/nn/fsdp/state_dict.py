@@ -24,6 +24,19 @@ its internal wrapper levels and 1-D shards, so such a file loads into the plain 
 parent's ``load_state_dict`` likewise works: a pre-hook gathers full parameters and maps
 the clean names to the wrapper levels, and a post-hook writes the loaded values back to
 the shards. Both are collectives: every rank calls the parent's method.
+
+Note [state dict of the wrapped module]
+DDP users write ``raw_model = model.module`` and save ``raw_model.state_dict()``. Under
+FSDP, ``model.module`` is the wrapped module, whose own parameters are this rank's rows
+of the unit's shard between steps (Note [flat parameter layout]); torch's recursion would
+return them as they are, shards under full names, without a word. So every wrapped module
+carries state-dict hooks (:class:`WrappedStateDict`): called from outside FSDP, the
+pre-hook gathers the unit's own parameters (``summon_full_params(recurse=False)``, nested
+units answer through their wrappers as above), the post-hook replaces kept parameter
+objects (``keep_vars=True``) by copies and releases the gather. The result is the full
+state dict with the wrapped module's own names, and, like ``model.state_dict()``, a
+collective: call it on every rank (``model.state_dict(rank0_only=True)`` returns it on
+rank 0 only).
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -43,7 +56,10 @@ from shardopt.nn.fsdp.records import TrainingState
 from shardopt.nn.fsdp.unit import Unit
 from shardopt.state_checks import check_model_state, dtypes, shapes
 
-__all__ = ["WRAPPED", "ParentLoad", "check_loadable", "clean_name", "load_sharded", "local_piece", "piece_tensor", "sharded_state"]
+__all__ = [
+    "WRAPPED", "ParentLoad", "WrappedStateDict", "check_loadable", "clean_name", "load_sharded", "local_piece",
+    "piece_tensor", "sharded_state", "under_prefix",
+]
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute under which a wrapper holds its module (one level in raw parameter names)."""
@@ -115,6 +131,69 @@ class ParentLoad:
         if self.stack is not None:
             stack, self.stack = self.stack, None
             stack.close()
+
+
+def under_prefix(full: dict[str, Any], args: tuple[Any, ...], destination: Any, prefix: str) -> Any:
+    """A parent's ``state_dict`` recursion reached a wrapper: the same full, clean-named
+    tensors ``full`` a direct call gives, under the parent's ``prefix`` (Note [state dict
+    through a parent]); ``args`` is torch's old positional form ``(destination, prefix, keep_vars)``."""
+    if args:
+        destination = args[0]
+        prefix = args[1] if len(args) > 1 else prefix
+    dest = destination if destination is not None else OrderedDict()
+    for name, value in full.items():
+        dest[prefix + name] = value
+    return dest
+
+
+class Summoning(Protocol):
+    """What :class:`WrappedStateDict` needs of its wrapper."""
+
+    @property
+    def unit(self) -> Unit: ...
+
+    def summon_full_params(self, recurse: bool = ..., writeback: bool = ...) -> AbstractContextManager[None]: ...
+
+
+class WrappedStateDict:
+    """The state-dict hooks of one wrapped module (Note [state dict of the wrapped module]).
+
+    Args:
+        wrapper: a weak reference to the wrapper (the hooks stay on the module after
+            shardopt's ``release()`` and must not keep the wrapper's shards alive).
+    """
+
+    def __init__(self, wrapper: Callable[[], Summoning | None]) -> None:
+        self.wrapper = wrapper
+        self.stack: ExitStack | None = None
+
+    def _unit_of(self, module: nn.Module) -> Unit | None:
+        wrapper = self.wrapper()
+        unit = wrapper.unit if wrapper is not None else None
+        if unit is None or unit.handle is None or unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return None  # released, nothing sharded here, or FSDP's own state_dict already gathered
+        first = unit.handle.params[0]  # not the module's any more after shardopt's release()
+        return unit if any(p is first for p in module.parameters()) else None
+
+    def pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``module.state_dict()`` called from outside FSDP: gather the unit's own parameters."""
+        wrapper = self.wrapper()
+        if self.stack is None and wrapper is not None and self._unit_of(module) is not None:
+            self.stack = ExitStack()
+            self.stack.enter_context(wrapper.summon_full_params(recurse=False, writeback=False))
+
+    def post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        """Copy gathered parameters kept as objects (``keep_vars``) and release the gather."""
+        if self.stack is None:
+            return
+        wrapper = self.wrapper()
+        handle = wrapper.unit.handle if wrapper is not None else None
+        own = {id(p) for p in handle.params} if handle is not None else set()
+        for key, value in state_dict.items():
+            if key.startswith(prefix) and id(value) in own:
+                state_dict[key] = value.detach().clone()
+        stack, self.stack = self.stack, None
+        stack.close()
 
 
 def _locate(units: list[Unit]) -> dict[int, Unit]:

@@ -39,8 +39,8 @@ missing gradients are reduced as zeros. AccumulateGrad nodes run before other re
 so every gradient of the unit has landed when it fires.
 
 Note [gradient stash]
-Gradients live on the original parameters. While a unit is sharded, ``p.grad`` is a 1-D
-piece of the reduced gradient shard (matching ``p.data``). Autograd must accumulate into a
+Gradients live on the original parameters. While a unit is sharded, ``p.grad`` is this
+rank's rows of the reduced gradient shard (matching ``p.data``). Autograd must accumulate into a
 *full*-shaped ``p.grad`` during backward, so every switch to full views first moves the
 sharded gradients aside (the stash) and every switch back to shard views restores them.
 Newly reduced gradients are then added to whatever the restored ``p.grad`` holds, which is
@@ -70,6 +70,8 @@ so with two ranks in fp32 the result is bit-identical to DDP's.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +88,7 @@ from shardopt.nn.fsdp.records import ForwardKind, ShardedState, StepCounts, Trai
 if TYPE_CHECKING:
     from shardopt.nn.fsdp.context import StepContext
 
-__all__ = ["PendingReduce", "SummonRecord", "Unit"]
+__all__ = ["PendingReduce", "SummonRecord", "Unit", "summon_units"]
 
 
 @dataclass
@@ -140,6 +142,8 @@ class Unit:
         self.sharded_state = ShardedState.SHARDED
         self.gather: comm.PendingWork | None = None
         """The prefetch all-gather in flight (state GATHERING), else ``None``."""
+        self.gathered: torch.Tensor | None = None
+        """The rank-major buffer that all-gather fills, until unpacked (Note [flat parameter layout])."""
         self.grad_accumulator: torch.Tensor | None = None
         """Full-size local gradients summed under ``no_sync``, not yet reduced."""
         self.stash: list[torch.Tensor | None] = []
@@ -323,14 +327,16 @@ class Unit:
         if handle.full_is_shard:
             self._show_full()
             return
-        handle.alloc_full()
         if self.config.shard_size == 1:  # NO_SHARD in low precision: a local cast, no collective
+            handle.alloc_full()
             with torch.no_grad():
                 handle.full.copy_(handle.gather_source())
             self._show_full()
             return
+        # Rank-major, unpacked into the full buffer when complete (Note [flat parameter layout]).
+        self.gathered = torch.empty(handle.layout.padded_numel, dtype=handle.compute_dtype, device=handle.device)
         self.gather = comm.all_gather_into(
-            handle.full, handle.gather_source(), self.config.shard_group, label=self._label("all_gather")
+            self.gathered, handle.gather_source(), self.config.shard_group, label=self._label("all_gather")
         )
         self.sharded_state = self.sharded_state.advance(ShardedState.GATHERING, self.rank)
         if not async_op:
@@ -341,6 +347,10 @@ class Unit:
             raise AssertionError(f"[rank {self.rank}] unit {self.name!r} is GATHERING without a pending gather")
         self._wait(self.gather, "all-gather")
         self.gather = None
+        assert self.handle is not None and self.gathered is not None
+        self.handle.alloc_full()
+        self.handle.unpack(self.gathered, self.handle.full)
+        self.gathered = None
         self._show_full()
 
     def _wait(self, work: comm.PendingWork, what: str) -> None:
@@ -441,22 +451,14 @@ class Unit:
         # Only an unsharded unit can have received new gradients (Note [gradient stash]).
         fresh = {id(p): p.grad for p, _ in trainable} if self.sharded_state is ShardedState.UNSHARDED else {}
         flat = self.grad_accumulator
+        grads = [fresh.get(id(p)) for p in handle.params]
         if flat is None:
-            # One pass: copy each gradient, zero only what has none (frozen, unused, padding).
+            # One pass into rank-major order: copy each gradient, zeros where there is none
+            # (frozen, unused, padding rows), Note [flat parameter layout].
             flat = torch.empty(handle.layout.padded_numel, dtype=handle.compute_dtype, device=handle.device)
-            flat[handle.layout.total_numel :].zero_()
-            for p, slot in zip(handle.params, handle.layout.slots):
-                grad = fresh.get(id(p))
-                piece = flat[slot.offset : slot.offset + slot.numel]
-                if grad is not None:
-                    piece.copy_(grad.reshape(-1))
-                else:
-                    piece.zero_()
+            handle.pack(grads, flat, accumulate=False)
         else:
-            for p, slot in trainable:
-                grad = fresh.get(id(p))
-                if grad is not None:
-                    flat[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+            handle.pack(grads, flat, accumulate=True)
         for p, _ in trainable:
             if id(p) in fresh:
                 p.grad = None
@@ -487,7 +489,7 @@ class Unit:
         master = self.handle.master_dtype
         grads = reduced if keep_low or reduced.dtype == master else reduced.to(master)
         for p, slot in pending.trainable:
-            piece = grads[slot.shard_begin : slot.shard_begin + slot.piece_numel]
+            piece = self.handle.local_of(grads, slot)
             if p.grad is None:
                 if piece.dtype != p.dtype:
                     p.grad_dtype = None  # keep_low_precision_grads: a grad of another dtype, on purpose
@@ -516,14 +518,14 @@ class Unit:
         if handle is None:
             return None
         self.reshard_()
-        full = self._gather_flat(handle.shard)
+        full = handle.unpack(self._gather_flat(handle.shard))
         grads: torch.Tensor | None = None
         if with_grads:
             grad_shard = torch.zeros_like(handle.shard)
             for p, slot in zip(handle.params, handle.layout.slots):
                 if p.grad is not None:
-                    grad_shard[slot.shard_begin : slot.shard_begin + slot.piece_numel].copy_(p.grad)
-            grads = self._gather_flat(grad_shard)
+                    handle.local_of(grad_shard, slot).copy_(p.grad)
+            grads = handle.unpack(self._gather_flat(grad_shard))
         if offload_to_cpu:
             full = full.cpu()
             grads = grads.cpu() if grads is not None else None
@@ -553,9 +555,28 @@ class Unit:
         if handle is None or record is None:
             return
         if writeback and record.visible and record.full.data_ptr() != handle.shard.data_ptr():
-            lo, hi = handle.shard_range()
-            with torch.no_grad():
-                handle.shard.copy_(record.full[lo:hi])
+            handle.write_local(record.full, handle.shard)
         handle.use_shard_views()
         for p, g in zip(handle.params, record.grads):
             p.grad = g
+
+
+@contextlib.contextmanager
+def summon_units(units: list[Unit], with_grads: bool, visible: bool, offload_to_cpu: bool,
+                 writeback: bool) -> Iterator[None]:
+    """Summon every unit of ``units`` not already summoned by an enclosing call (in order),
+    undo on exit (``summon_full_params``; arguments as :meth:`Unit.summon_` and
+    :meth:`Unit.unsummon_`)."""
+    entered: list[tuple[Unit, SummonRecord | None]] = []
+    try:
+        for unit in units:
+            if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+                continue
+            record = unit.summon_(with_grads, visible, offload_to_cpu)
+            unit.training_state = unit.training_state.advance(TrainingState.SUMMON_FULL_PARAMS, unit.rank)
+            entered.append((unit, record))
+        yield
+    finally:
+        for unit, record in entered:
+            unit.unsummon_(record, writeback)
+            unit.training_state = unit.training_state.advance(TrainingState.IDLE, unit.rank)
