@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import GradScaler
+from torch.amp.grad_scaler import GradScaler, OptState
 
 from shardopt import comm
 from shardopt.optim.masters import needs_master
@@ -144,7 +144,10 @@ class ShardedGradScaler(GradScaler):
         Returns:
             What ``optimizer.step`` returned, or ``None`` when the step was skipped.
         """
-        result = super().step(optimizer, *args, **kwargs)
+        if self._enabled and isinstance(optimizer, OSS):
+            result = self._step_oss(optimizer, *args, **kwargs)
+        else:
+            result = super().step(optimizer, *args, **kwargs)
         state = self._per_optimizer_states.get(id(optimizer), {})
         skipped = any(v.item() for v in state.get("found_inf_per_device", {}).values())
         if self._enabled and skipped and isinstance(optimizer, OSS):
@@ -152,6 +155,23 @@ class ShardedGradScaler(GradScaler):
                 master = optimizer.master_of(p)
                 if master is not None:
                     master.grad = None
+        return result
+
+
+    def _step_oss(self, optimizer: OSS, *args: Any, **kwargs: Any) -> float | None:
+        """torch's ordinary ``step`` path (unscale and agree, then step unless any rank found
+        inf/nan), also for an OSS that takes part in torch's ``_step_supports_amp_scaling``
+        protocol (Note [torch's GradScaler on sharded gradients] in :mod:`shardopt.optim.oss`)."""
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        result = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+        state["stage"] = OptState.STEPPED
         return result
 
 
