@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ClipArgs", "ClipFn", "Registration", "register_sharded", "sharded_by", "unregister"]
+__all__ = ["ClipArgs", "ClipFn", "Registration", "in_wrapper_order", "refuse_torch_grad_scaler", "register_sharded", "sharded_by",
+           "sharded_by_another", "unregister"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,39 @@ def sharded_by(param: torch.Tensor) -> Registration | None:
     if wrapper is None:
         return None
     return Registration(wrapper, entry.position, entry.method, entry.clip)
+
+
+def sharded_by_another(params: Iterable[torch.Tensor], wrapper: object) -> bool:
+    """Whether a live wrapper other than ``wrapper`` shards the gradient of one of ``params``."""
+    return any(r is not None and r.wrapper is not wrapper for r in map(sharded_by, params))
+
+
+def in_wrapper_order(params: Iterable[torch.Tensor], wrapper: object) -> list[torch.Tensor]:
+    """``params`` in the order another live wrapper registered them (the module's order under
+    ShardedDataParallel), those it does not shard after them in the order given."""
+    given = list(params)
+    found = [sharded_by(p) for p in given]
+    place = [(0, r.position) if r is not None and r.wrapper is not wrapper else (1, i) for i, r in enumerate(found)]
+    return [given[i] for i in sorted(range(len(given)), key=place.__getitem__)]
+
+
+def refuse_torch_grad_scaler(optimizer: object, rank: int) -> None:
+    """Raise if torch's ``GradScaler`` is stepping ``optimizer`` through its
+    ``_step_supports_amp_scaling`` protocol (it set ``found_inf``), on every rank alike
+    (Note [torch's GradScaler on sharded gradients] in ``shardopt.optim.grad_scaler``).
+
+    Raises:
+        RuntimeError: naming ``ShardedGradScaler``.
+    """
+    if getattr(optimizer, "found_inf", None) is None:
+        return
+    for name in ("found_inf", "grad_scale"):  # torch deletes them only after a step that returns
+        optimizer.__dict__.pop(name, None)
+    raise RuntimeError(
+        f"[rank {rank}] torch.amp.GradScaler cannot step an OSS under ShardedDataParallel: each rank holds and "
+        "checks only its own gradients for inf/nan, so one rank would skip the step alone and hang the others; "
+        "use shardopt.optim.ShardedGradScaler (same arguments), which agrees on inf/nan across ranks"
+    )
 
 
 def _collected(key: int, ref: weakref.ref[torch.Tensor]) -> None:

@@ -93,7 +93,6 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "all_to_all_pieces",
-    "arrive",
     "barrier",
     "broadcast",
     "broadcast_object",
@@ -561,48 +560,6 @@ def barrier(group: ProcessGroup | None) -> None:
     """Block until every rank of ``group`` has arrived."""
     if group_size(group) > 1:
         _blocking("shardopt::barrier", group, lambda: dist.barrier(group=group))
-
-
-_arrivals: dict[str, int] = {}
-
-
-def arrive(label: str, group: ProcessGroup | None, timeout_s: float) -> int:
-    """Check in at ``label`` and wait, at most ``timeout_s``, until every rank of ``group`` has.
-
-    A rendezvous on the default group's store, not a collective of the group: a rank that
-    is in another collective meanwhile is not disturbed, and the wait has a timeout that
-    leaves the group usable (Note [clip on some ranks only] in ``shardopt.optim.grad_norm``).
-    The n-th call with ``label`` on one rank meets the n-th on the others.
-
-    Args:
-        label: what is being entered (``shardopt::<component>::<phase>``).
-        group: the ranks that must all arrive.
-        timeout_s: how long to wait for them.
-
-    Returns:
-        How many ranks of ``group`` had arrived: its size unless the wait timed out.
-    """
-    size = group_size(group)
-    if size == 1:
-        return 1
-    store = dist.distributed_c10d._get_default_store()
-    ranks = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
-    base = f"shardopt/arrive/{ranks}/{label}"
-    number = _arrivals.get(base, 0)
-    _arrivals[base] = number + 1
-    key = f"{base}/{number}"
-    arrived = int(store.add(key, 1))
-    if arrived == size:
-        store.set(f"{key}/all", "1")
-    else:
-        try:
-            store.wait([f"{key}/all"], timedelta(seconds=timeout_s))
-        except RuntimeError:  # the store's "Wait timeout"
-            return int(store.add(key, 0))
-    if int(store.add(f"{key}/left", 1)) == size:  # the last one out removes the keys
-        for name in (key, f"{key}/all", f"{key}/left"):
-            store.delete_key(name)
-    return size
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:

@@ -18,7 +18,7 @@ Note [clip on some ranks only]
 A clip that one rank calls and another does not would leave the caller in its all-reduce
 and the other in whatever collective it reaches next (the step's parameter gather): a hang,
 or two different collectives matched. So before the exchange every rank checks in on the
-default store (:func:`shardopt.comm.arrive`) and waits at most :data:`ARRIVAL_TIMEOUT_S`
+default store (:func:`shardopt.agreement.arrive`) and waits at most :data:`ARRIVAL_TIMEOUT_S`
 for the others; a rank that waits longer raises, naming the rule, and ranks stuck in
 another collective end with a named error once it reports the failure (Note [failure
 board] in :mod:`shardopt.failures`). Cost: four store round trips per clip (about 0.5 ms on
@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from shardopt import comm
+from shardopt.agreement import arrive
 from shardopt.clipping import ClipArgs
 from shardopt.optim.masters import is_placeholder, needs_master
 
-__all__ = ["ARRIVAL_TIMEOUT_S", "ShardingOptimizer", "clip_params", "clip_sharded_grads"]
+__all__ = ["ARRIVAL_TIMEOUT_S", "ShardingOptimizer", "clip_for_wrapper", "clip_params", "clip_sharded_grads"]
 
 ARRIVAL_TIMEOUT_S = 30.0
 """How long a sharded clip waits for every rank to call it (Note [clip on some ranks only])."""
@@ -150,7 +151,7 @@ def clip_sharded_grads(
 
 def _check_everyone_clips(group: comm.ProcessGroup | None) -> None:
     """Raise unless every rank of ``group`` reaches this clip (Note [clip on some ranks only])."""
-    arrived = comm.arrive(_LABEL, group, ARRIVAL_TIMEOUT_S)
+    arrived = arrive(_LABEL, group, ARRIVAL_TIMEOUT_S)
     size = comm.group_size(group)
     if arrived < size:
         raise RuntimeError(
@@ -220,3 +221,10 @@ def clip_params(
     dtype = functools.reduce(torch.promote_types, promoted or [torch.float32])
     group = optimizers[0].group if optimizers else None
     return clip_sharded_grads(held, kinds, dtype, args, group, local)
+
+
+def clip_for_wrapper(wrapper: Any, params: list[torch.Tensor], args: ClipArgs) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over the parameters of a wrapper with ``sharded_optimizers``
+    (ShardedDataParallel), or of an OSS itself (Note [clipping that bypasses the wrapper] in
+    :mod:`shardopt.clipping`): :func:`clip_params` over its optimizers."""
+    return clip_params(getattr(wrapper, "sharded_optimizers", None) or [wrapper], params, args)

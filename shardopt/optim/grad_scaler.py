@@ -1,4 +1,20 @@
-"""``ShardedGradScaler``: AMP loss scaling that agrees on inf/nan across ranks."""
+"""``ShardedGradScaler``: AMP loss scaling that agrees on inf/nan across ranks.
+
+Note [torch's GradScaler on sharded gradients]
+Under ShardedDataParallel each rank holds only the gradients it owns, so torch's own
+``GradScaler`` checks a different part of them for inf/nan on each rank: a rank that found
+one skipped ``step()`` alone while the others waited in the post-step parameter gather, a
+hang without a message. Making every rank skip is not enough to train on: torch's scaler
+hands the optimizer a copy of this rank's flag, and its ``update()`` reads its own, so a
+rank that saw no inf would not back off and the ranks' scales would differ from then on.
+So an OSS whose gradients a live ShardedDataParallel shards takes part in torch's
+``_step_supports_amp_scaling`` protocol, under which torch's scaler calls ``OSS.step`` on
+every rank instead of deciding to skip, and the step raises at once, on every rank and
+before any collective, naming ``ShardedGradScaler`` (which agrees on the flag across ranks
+and steps OSS the ordinary way). Under DDP (ZeRO-1: DDP and OSS, no ShardedDataParallel)
+every rank holds the full reduced gradients and sees the same inf, so torch's scaler works
+as with DDP and nothing changes.
+"""
 
 from __future__ import annotations
 

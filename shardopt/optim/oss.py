@@ -7,21 +7,6 @@ than editing ``param_groups`` of a live optimizer, lets optimizers that create s
 constructor (``Adagrad`` fills ``sum`` there) initialise the parameters they now own; state
 that already existed is then moved over by parameter index, so nothing is lost.
 
-Note [torch's GradScaler on sharded gradients]
-Under ShardedDataParallel each rank holds only the gradients it owns, so torch's own
-``GradScaler`` checks a different part of them for inf/nan on each rank: a rank that found
-one skipped ``step()`` alone while the others waited in the post-step parameter gather, a
-hang without a message. Making every rank skip is not enough to train on: torch's scaler
-hands the optimizer a copy of this rank's flag, and its ``update()`` reads its own, so a
-rank that saw no inf would not back off and the ranks' scales would differ from then on.
-So an OSS whose gradients a live ShardedDataParallel shards takes part in torch's
-``_step_supports_amp_scaling`` protocol, under which torch's scaler calls ``OSS.step`` on
-every rank instead of deciding to skip, and the step raises at once, on every rank and
-before any collective, naming ``ShardedGradScaler`` (which agrees on the flag across ranks
-and steps OSS the ordinary way). Under DDP (ZeRO-1: DDP and OSS, no ShardedDataParallel)
-every rank holds the full reduced gradients and sees the same inf, so torch's scaler works
-as with DDP and nothing changes.
-
 Note [parked state]
 A frozen parameter has size 0 in the partition and is not stepped, but a torch optimizer
 keeps its state (momentum, Adam moments) for when it is unfrozen. OSS does the same: the
@@ -42,7 +27,7 @@ from torch.optim import SGD, Optimizer
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement, check_same_parameters
 from shardopt.clipping import ClipArgs
-from shardopt.optim.grad_norm import clip_params
+from shardopt.optim.grad_norm import clip_for_wrapper, clip_params
 from shardopt.optim.masters import MasterWeights, check_master_dtype, needs_master
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
 from shardopt.optim.state_transport import (
@@ -65,11 +50,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _clip_own(optimizer: Any, params: list[torch.Tensor], args: ClipArgs) -> torch.Tensor:
-    """torch's ``clip_grad_norm_`` over an OSS's parameters (Note [clipping that bypasses the wrapper])."""
-    return clip_params([optimizer], params, args)
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
@@ -166,7 +146,7 @@ class OSS(Optimizer):
                                 ("master_dtype", str(master_dtype))], group,
                         "pass the same OSS arguments on every rank")  # Note [agree before the first collective]
         if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper]
-            clipping.register_sharded(self, self.params, "OSS.clip_grad_norm", _clip_own)  # gradients move to the masters
+            clipping.register_sharded(self, self.params, "OSS.clip_grad_norm", clip_for_wrapper)  # gradients move to the masters
         elif master_dtype is not None:
             _warn_once("no-masters", f"OSS(master_dtype={master_dtype}): every parameter is already {master_dtype}, "
                        "so no master copies are kept and nothing changes; remove master_dtype, or cast the model "
@@ -359,15 +339,7 @@ class OSS(Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        if getattr(self, "found_inf", None) is not None:  # Note [torch's GradScaler on sharded gradients]
-            for name in ("found_inf", "grad_scale"):
-                self.__dict__.pop(name, None)
-            raise RuntimeError(
-                f"[rank {self.rank}] torch.amp.GradScaler cannot step this OSS: a ShardedDataParallel reduces each "
-                "gradient to its owner only, so each rank's GradScaler checks a different part of the gradients "
-                "for inf/nan, and a rank that skips the step alone leaves the others waiting for it. Use "
-                "shardopt.optim.ShardedGradScaler (same arguments), which agrees on inf/nan across ranks"
-            )
+        clipping.refuse_torch_grad_scaler(self, self.rank)  # Note [torch's GradScaler on sharded gradients]
         if tuple(p.requires_grad for p in self.params) != self._trainable_sig:
             _warn_once("trainable", "OSS: parameters were frozen or unfrozen; call refresh_trainable() on "
                        "every rank (ShardedDataParallel does it for you)")
@@ -394,9 +366,8 @@ class OSS(Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        """torch's GradScaler asks this: ``True`` while a live ShardedDataParallel shards this
-        OSS's gradients (Note [torch's GradScaler on sharded gradients])."""
-        return any(r is not None and r.wrapper is not self for r in map(clipping.sharded_by, self.params))
+        """True while a ShardedDataParallel shards its gradients (Note [torch's GradScaler on sharded gradients])."""
+        return clipping.sharded_by_another(self.params, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim``'s over every parameter; also frees the masters' gradients
@@ -419,11 +390,9 @@ class OSS(Optimizer):
         How it works: each rank takes the norm of each owned gradient, the ranks exchange
         those per-parameter norms in one small all-reduce, and every rank combines them in
         the order ``torch.nn.utils.clip_grad_norm_`` would (grouped by device and dtype, then
-        the module's parameter order when a ShardedDataParallel wraps this OSS, else the
-        order of :attr:`params`), so the total equals torch's on the full gradients bit for
-        bit (Note [sharded norm in torch's order] in :mod:`shardopt.optim.grad_norm`). A
-        rank that calls it while another does not raises within
-        ``shardopt.optim.grad_norm.ARRIVAL_TIMEOUT_S`` (Note [clip on some ranks only]). Owned gradients are then
+        the module's order under ShardedDataParallel, else that of :attr:`params`), so the
+        total equals torch's on the full gradients bit for bit (Note [sharded norm in torch's
+        order] in :mod:`shardopt.optim.grad_norm`). Owned gradients are then
         scaled by ``min(1, max_norm / (total + 1e-6))``; other ranks' gradients are left
         alone (their owners scale them). With masters, the norm is taken of and the clip
         applied to the masters' fp32 gradients (owned ``.grad`` folded in first).
@@ -439,15 +408,11 @@ class OSS(Optimizer):
             gradients (``master_dtype`` for those with masters).
 
         Raises:
-            RuntimeError: another rank of the group did not call it.
+            RuntimeError: another rank did not call it (Note [clip on some ranks only]).
         """
         params = self.params
-        registered = [clipping.sharded_by(p) for p in params]
-        # Note [sharded norm in torch's order]: the module's order under ShardedDataParallel.
-        order = sorted(range(len(params)), key=lambda i: (0, registered[i].position)  # type: ignore[union-attr]
-                       if registered[i] is not None and registered[i].wrapper is not self else (1, i))  # type: ignore[union-attr]
-        return clip_params([self], [params[i] for i in order], ClipArgs(float(max_norm), float(norm_type)),
-                           filter_params_fn)
+        ordered = clipping.in_wrapper_order(params, self)  # Note [sharded norm in torch's order]
+        return clip_params([self], ordered, ClipArgs(float(max_norm), float(norm_type)), filter_params_fn)
 
     # ------------------------------------------------------------------ state dict
 

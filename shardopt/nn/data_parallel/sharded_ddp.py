@@ -16,12 +16,11 @@ from torch.autograd.graph import get_gradient_edge
 
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement
-from shardopt.clipping import ClipArgs
 from shardopt.nn.data_parallel.ddp_habits import refuse_ddp_only
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
 from shardopt.nn.data_parallel.gradient_checks import check_accumulated, refuse_sparse_modules
 from shardopt.nn.data_parallel.local_sums import LocalSums
-from shardopt.optim.grad_norm import clip_params
+from shardopt.optim.grad_norm import clip_for_wrapper
 from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
 
@@ -67,12 +66,6 @@ _MIN_BUCKET_NUMEL = 2**16  # Note [small parameters share a bucket] in grad_buck
 # backward gets one gradient per nested backward within one round, after its bucket may
 # have been sent: that is refused with a ValueError naming it, rather than reduced wrongly.
 # Non-reentrant checkpoints (use_reentrant=False) have neither problem.
-
-
-def _clip_passed(wrapper: Any, params: list[torch.Tensor], args: ClipArgs) -> torch.Tensor:
-    """torch's ``clip_grad_norm_`` over a ShardedDataParallel's parameters (Note [clipping that
-    bypasses the wrapper] in :mod:`shardopt.clipping`)."""
-    return clip_params(wrapper.sharded_optimizers, params, args)
 
 
 class ShardedDataParallel(nn.Module):
@@ -207,7 +200,7 @@ class ShardedDataParallel(nn.Module):
         self._setup()
         self._expose_forward_signature()
         if self.world_size > 1:  # Note [clipping that bypasses the wrapper] in shardopt.clipping
-            clipping.register_sharded(self, module.parameters(), "OSS.clip_grad_norm", _clip_passed)
+            clipping.register_sharded(self, module.parameters(), "OSS.clip_grad_norm", clip_for_wrapper)
 
     # ------------------------------------------------------------------ setup
 
@@ -391,19 +384,13 @@ class ShardedDataParallel(nn.Module):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """Whether the next backward reduces gradients (False inside :meth:`no_sync`).
-
-        Settable, as DDP's: ``False`` accumulates locally as :meth:`no_sync` does, and the
-        first backward with it ``True`` reduces everything (Note [DDP attributes on
-        ShardedDataParallel] in :mod:`shardopt.nn.data_parallel.ddp_habits`).
-        """
+        """Whether the next backward reduces gradients (False inside :meth:`no_sync`); settable as
+        DDP's (Note [DDP attributes on ShardedDataParallel] in ``ddp_habits``)."""
         return self._should_sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"require_backward_grad_sync must be a bool, got {type(value).__name__} {value!r}")
-        self._should_sync = value
+        self._should_sync = bool(value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         refuse_ddp_only(name, setting=True)  # Note [DDP attributes on ShardedDataParallel]
@@ -413,11 +400,9 @@ class ShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            try:
-                return getattr(self.module, name)
-            except AttributeError:
+            if not hasattr(self.module, name):
                 refuse_ddp_only(name, setting=False)
-                raise
+            return getattr(self.module, name)
 
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
