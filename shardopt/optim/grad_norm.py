@@ -132,9 +132,8 @@ def clip_sharded_grads(
         comm.all_reduce(exchange, group, op="sum", label=_LABEL).wait()
     _norms_into(exchange, local or {}, count, args)
     counted = (exchange[count:] > 0).nonzero().flatten().tolist()  # one device sync, not one per param
-    counted = _torch_norm_order(counted, kinds)
-    if counted:
-        total = torch.linalg.vector_norm(exchange[counted], norm_type)
+    if counted:  # no gradient anywhere: torch's total is 0 too
+        total = torch.linalg.vector_norm(exchange[_torch_norm_order(counted, kinds)], norm_type)
     else:
         total = torch.zeros((), dtype=dtype, device=device)
     if args.error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
