@@ -41,9 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import GradScaler
 
 __all__ = ["ClipArgs", "ClipFn", "Registration", "in_wrapper_order", "refuse_torch_grad_scaler", "register_sharded", "sharded_by",
-           "sharded_by_another", "unregister"]
+           "sharded_by_another", "torch_scaler_asks", "unregister"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,13 @@ def in_wrapper_order(params: Iterable[torch.Tensor], wrapper: object) -> list[to
     found = [sharded_by(p) for p in given]
     place = [(0, r.position) if r is not None and r.wrapper is not wrapper else (1, i) for i, r in enumerate(found)]
     return [given[i] for i in sorted(range(len(given)), key=place.__getitem__)]
+
+
+def torch_scaler_asks(frame: types.FrameType) -> bool:
+    """Whether ``frame`` (the caller of a property) is torch's own ``GradScaler.step``, the one
+    reader OSS raises ``_step_supports_amp_scaling`` for (Note [torch's GradScaler on sharded
+    gradients] in ``shardopt.optim.grad_scaler``)."""
+    return frame.f_code is GradScaler.step.__code__
 
 
 def refuse_torch_grad_scaler(optimizer: object, rank: int) -> None:

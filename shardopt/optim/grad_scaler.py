@@ -11,7 +11,10 @@ So an OSS whose gradients a live ShardedDataParallel shards takes part in torch'
 ``_step_supports_amp_scaling`` protocol, under which torch's scaler calls ``OSS.step`` on
 every rank instead of deciding to skip, and the step raises at once, on every rank and
 before any collective, naming ``ShardedGradScaler`` (which agrees on the flag across ranks
-and steps OSS the ordinary way). Under DDP (ZeRO-1: DDP and OSS, no ShardedDataParallel)
+and steps OSS the ordinary way, never asking). The flag is raised only toward torch's
+``GradScaler.step`` itself (the property looks at its caller's code object): other readers
+take it to mean "this optimizer unscales inside its step" (Lightning's AMP plugin then skips
+its unscale before clipping and refuses to clip), which OSS does not. Under DDP (ZeRO-1: DDP and OSS, no ShardedDataParallel)
 every rank holds the full reduced gradients and sees the same inf, so torch's scaler works
 as with DDP and nothing changes.
 """

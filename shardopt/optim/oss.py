@@ -17,6 +17,7 @@ when the parameter is trainable again.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -366,8 +367,8 @@ class OSS(Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        """True while a ShardedDataParallel shards its gradients (Note [torch's GradScaler on sharded gradients])."""
-        return clipping.sharded_by_another(self.params, self)
+        """True toward torch's GradScaler.step under ShardedDataParallel (Note [torch's GradScaler on sharded gradients])."""
+        return clipping.torch_scaler_asks(sys._getframe(1)) and clipping.sharded_by_another(self.params, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim``'s over every parameter; also frees the masters' gradients
