@@ -287,7 +287,8 @@ def test_require_backward_grad_sync_accumulates_like_ddp_and_ddp_only_attributes
 
 def _scaler_with_inf_on_one_rank(rank: int, world_size: int, zero: str) -> dict[str, Any]:
     """DDP + torch's GradScaler against ZeRO-1 (DDP + OSS, torch's scaler) or ZeRO-2 with
-    ShardedGradScaler; rank 1's gradient of the first layer holds an inf at step 1 only.
+    ShardedGradScaler, unscaling and clipping before the step as DDP scripts do; rank 1's
+    gradient of the first layer holds an inf at step 1 only.
     bf16 autocast on CPU, so the scaler's arithmetic runs as on a GPU with fp16."""
     ref, model = seeded_mlp(), seeded_mlp()
     ddp = DDP(ref)
@@ -309,6 +310,9 @@ def _scaler_with_inf_on_one_rank(rank: int, world_size: int, zero: str) -> dict[
             s.scale(loss).backward()
             if step == 1 and rank == 1:
                 handle.remove()
+        for s, net, o in ((ref_scaler, ref, ref_opt), (scaler, model, opt)):  # the DDP script's clip
+            s.unscale_(o)  # type: ignore[arg-type]
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         ref_scaler.step(ref_opt)
         scaler.step(opt)
         ref_scaler.update()
