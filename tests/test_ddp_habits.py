@@ -33,6 +33,7 @@ from tests.helpers.gpt import gpt, lm_loss, tokens
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 MAX_NORM = 0.05  # far below the gradients' norm (about 3): every step clips
+SMALL_NORM = 0.01  # for the bf16 MLP, whose gradients' norm is about 0.19
 
 
 def decay_groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -176,6 +177,35 @@ def test_torch_clip_on_one_rank_only_is_an_error_on_every_rank_not_a_hang(tmp_pa
     assert other["kind"] == "CollectiveError" and "rank 0 failed: RuntimeError: [rank 0] gradient clipping" in \
         other["error"], other
     assert caller["seconds"] < 10 and other["seconds"] < 12, (caller, other)
+
+
+def _masters_clip(rank: int, world_size: int) -> dict[str, list[float]]:
+    """bf16 parameters with fp32 masters: torch's clip over the model equals OSS.clip_grad_norm
+    on a twin, under DDP (ZeRO-1) and ShardedDataParallel (ZeRO-2)."""
+    from tests.helpers.masters import loss_of, low_mlp
+
+    out: dict[str, list[float]] = {}
+    for zero in ("ZeRO-1", "ZeRO-2"):
+        models = [low_mlp(), low_mlp()]
+        opts = [OSS(m.parameters(), optim=torch.optim.SGD, lr=0.1, master_dtype=torch.float32) for m in models]
+        nets = [DDP(m) if zero == "ZeRO-1" else ShardedDataParallel(m, o) for m, o in zip(models, opts)]
+        for net in nets:
+            loss_of(net, rank, 0).backward()
+        totals = [float(torch.nn.utils.clip_grad_norm_(models[0].parameters(), SMALL_NORM)),
+                  float(opts[1].clip_grad_norm(SMALL_NORM))]
+        for opt in opts:
+            opt.step()
+        out[zero] = [*totals, max_diff(models[0], models[1])]
+        for net in nets:
+            if isinstance(net, ShardedDataParallel):
+                net.close()
+    return out
+
+
+def test_torch_clip_over_bf16_parameters_with_fp32_masters_clips_the_masters_like_oss() -> None:
+    for out in run_ranks(_masters_clip, 2, timeout_s=120):
+        for zero, (by_torch, by_oss, diff) in out.items():
+            assert by_torch == by_oss and by_torch > 10 * SMALL_NORM and diff == 0.0, (zero, out)
 
 
 def _placeholder(rank: int, world_size: int) -> tuple[float, list[float], bool]:
