@@ -21,8 +21,10 @@ or two different collectives matched. So before the exchange every rank checks i
 default store (:func:`shardopt.agreement.arrive`) and waits at most :data:`ARRIVAL_TIMEOUT_S`
 for the others; a rank that waits longer raises, naming the rule, and ranks stuck in
 another collective end with a named error once it reports the failure (Note [failure
-board] in :mod:`shardopt.failures`). Cost: four store round trips per clip (about 0.5 ms on
-a 2-rank gloo machine), once per step.
+board] in :mod:`shardopt.failures`). Cost: two store round trips per clip and rank, once
+per step. Measured on a loaded 2-core machine, 2 gloo ranks, a small MLP: a clip took 3.4
+ms before and 6.2 ms after with torch's TCPStore (torchrun's), 0.9 and 13 ms with the
+FileStore of ``shardopt.testing.run_ranks`` (whose wait polls).
 """
 
 from __future__ import annotations
@@ -150,15 +152,13 @@ def clip_sharded_grads(
 
 def _check_everyone_clips(group: comm.ProcessGroup | None) -> None:
     """Raise unless every rank of ``group`` reaches this clip (Note [clip on some ranks only])."""
-    arrived = arrive(_LABEL, group, ARRIVAL_TIMEOUT_S)
-    size = comm.group_size(group)
-    if arrived < size:
+    missing = arrive(_LABEL, group, ARRIVAL_TIMEOUT_S)
+    if missing:
         raise RuntimeError(
             f"[rank {comm.group_rank(group)}] gradient clipping over sharded gradients was called on this rank, "
-            f"but only {arrived} of the group's {size} ranks called it within {ARRIVAL_TIMEOUT_S:g} s: each rank "
-            "holds only part of the gradients, so the global norm needs every rank. Call "
-            "torch.nn.utils.clip_grad_norm_ (or OSS.clip_grad_norm) on every rank, as with DDP, not under "
-            "`if rank == 0`"
+            f"but group rank(s) {missing} did not call it within {ARRIVAL_TIMEOUT_S:g} s: each rank holds only part "
+            "of the gradients, so the global norm needs every rank. Call torch.nn.utils.clip_grad_norm_ (or "
+            "OSS.clip_grad_norm) on every rank, as with DDP, not under `if rank == 0`"
         )
 
 
