@@ -101,7 +101,8 @@ def _clip_orders(rank: int, world_size: int) -> dict[str, list[float]]:
     """Each way of passing parameters, against torch's clip over the same reduced gradients."""
     out: dict[str, list[float]] = {}
     extra = nn.Parameter(torch.ones(5))  # a plain parameter outside the model, mixed in
-    for case in ("module order", "reversed", "matrices only", "with a plain parameter", "OSS.clip_grad_norm"):
+    for case in ("module order", "reversed", "matrices only", "with a plain parameter", "foreach=False", "max norm",
+                 "OSS.clip_grad_norm"):
         model, ref = gpt(), gpt()
         opt = OSS(decay_groups(model), optim=torch.optim.SGD, lr=0.1)
         sdp = ShardedDataParallel(model, opt)
@@ -120,12 +121,15 @@ def _clip_orders(rank: int, world_size: int) -> dict[str, list[float]]:
             expected_over = [q for q in expected_over if q.dim() >= 2]
         elif case == "with a plain parameter":
             passed, expected_over = [passed[0], extra, *passed[1:]], [expected_over[0], ref_extra, *expected_over[1:]]
-        expected = torch.nn.utils.clip_grad.clip_grad_norm_(expected_over, MAX_NORM)  # torch's, unredirected: no
-        # registered parameter is in expected_over
+        options: dict[str, Any] = {"foreach": False} if case == "foreach=False" else {}
+        if case == "max norm":
+            options["norm_type"] = float("inf")
+        # torch's own function: no registered parameter is in expected_over
+        expected = torch.nn.utils.clip_grad.clip_grad_norm_(expected_over, MAX_NORM, **options)
         if case == "OSS.clip_grad_norm":
             total = opt.clip_grad_norm(MAX_NORM)
         else:
-            total = torch.nn.utils.clip_grad_norm_(passed, MAX_NORM)
+            total = torch.nn.utils.clip_grad_norm_(passed, MAX_NORM, **options)
         grad_diffs = [float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), ref.parameters())
                       if p.grad is not None and any(q is r for r in expected_over)]
         if case == "with a plain parameter":
@@ -143,6 +147,33 @@ def test_torch_clip_over_zero2_sums_in_the_order_passed_bitwise_like_torch_on_th
         for case, (norm_diff, grad_diff, total) in out.items():
             assert norm_diff == 0.0 and grad_diff == 0.0, (world_size, case, norm_diff, grad_diff)
             assert total > 10 * MAX_NORM, (case, total)
+
+
+def _nonfinite(rank: int, world_size: int) -> dict[str, str]:
+    out = {}
+    for kind in ("ZeRO-2", "ZeRO-3"):
+        model = seeded_mlp()
+        net: nn.Module = (ShardedDataParallel(model, OSS(model.parameters(), lr=0.1)) if kind == "ZeRO-2"
+                          else FSDP(model))
+        if rank == 1:  # an inf on one rank only: the global norm is inf on every rank
+            next(iter(model.parameters())).register_hook(lambda g: torch.full_like(g, float("inf")))
+        net(rank_batch(rank, 0)).sum().backward()
+        try:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM, error_if_nonfinite=True)
+            out[kind] = "clipped"
+        except RuntimeError as exc:
+            out[kind] = str(exc)
+        if isinstance(net, ShardedDataParallel):
+            net.close()
+    return out
+
+
+def test_error_if_nonfinite_raises_on_every_rank_when_one_rank_has_an_inf() -> None:
+    for out in run_ranks(_nonfinite, 2, timeout_s=60):
+        for kind, text in out.items():
+            assert text.startswith("The total norm of order 2.0 for gradients from `parameters` is non-finite"), \
+                (kind, text)
+            assert "error_if_nonfinite=False" in text, (kind, text)
 
 
 def _clip_on_rank_zero_only(rank: int, world_size: int, path: str) -> None:
