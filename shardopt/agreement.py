@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
 
 from shardopt import comm
 
-__all__ = ["check_agreement", "check_same_parameters"]
+__all__ = ["arrive", "check_agreement", "check_same_parameters"]
 
 
 def check_agreement(what: str, entries: Sequence[tuple[str, Any]], group: comm.ProcessGroup | None,
@@ -102,3 +105,46 @@ def _disagreement(described: list[Any], group: comm.ProcessGroup | None) -> tupl
     everyone = comm.all_gather_object(described, group)
     other = next(r for r, d in enumerate(digests) if d != digests[0])
     return other, everyone[0], everyone[other]
+
+
+_arrivals: dict[str, int] = {}
+
+
+def arrive(label: str, group: comm.ProcessGroup | None, timeout_s: float) -> list[int]:
+    """Check in at ``label`` and wait, at most ``timeout_s``, until every rank of ``group`` has.
+
+    A rendezvous on the default group's store (as the failure board, Note [failure board]
+    in ``shardopt.failures``), not a collective of the group: a rank that is in another
+    collective meanwhile is not disturbed, and the wait has a timeout that leaves the group
+    usable (Note [clip on some ranks only] in ``shardopt.optim.grad_norm``). The n-th call
+    with ``label`` on one rank meets the n-th on the others. Each rank sets one key and
+    waits for the others'; group rank 0 removes the keys of call n-2 at call n (every rank
+    has left that one, since all reached call n-1). Two store round trips per call and rank.
+
+    Args:
+        label: what is being entered (``shardopt::<component>::<phase>``).
+        group: the ranks that must all arrive.
+        timeout_s: how long to wait for them.
+
+    Returns:
+        The group ranks that had not arrived when the wait timed out; empty when all did.
+    """
+    size = comm.group_size(group)
+    if size == 1:
+        return []
+    store = dist.distributed_c10d._get_default_store()
+    ranks = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
+    base = f"shardopt/arrive/{ranks}/{label}"
+    number = _arrivals.get(base, 0)
+    _arrivals[base] = number + 1
+    keys = [f"{base}/{number}/{r}" for r in range(size)]
+    me = comm.group_rank(group)
+    store.set(keys[me], "")
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError:  # the store's "Wait timeout"
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+    if me == 0 and number >= 2:
+        for r in range(size):
+            store.delete_key(f"{base}/{number - 2}/{r}")
+    return []

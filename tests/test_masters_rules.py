@@ -65,9 +65,9 @@ def test_no_sync_sums_are_kept_in_fp32_and_free_the_low_precision_grad() -> None
 
 
 def test_a_placeholder_says_whether_the_held_gradient_still_stands() -> None:
-    """Note [placeholders for moved gradients] in shardopt.placeholders: untouched -> stands; dropped, zeroed in place
+    """Note [placeholders for moved gradients]: untouched -> stands; dropped, zeroed in place
     or replaced -> discarded; every check removes the placeholder."""
-    from shardopt.placeholders import is_placeholder, leave_placeholder, take_placeholder
+    from shardopt.optim.masters import is_placeholder, leave_placeholder, take_placeholder
 
     p = nn.Parameter(torch.ones(3, 4, dtype=BF16))
     assert take_placeholder(p)  # nothing left: nothing to say
@@ -86,21 +86,3 @@ def test_a_placeholder_says_whether_the_held_gradient_still_stands() -> None:
         assert take_placeholder(p) is stands, what
         assert p.grad is None or not is_placeholder(p), what
         assert take_placeholder(p), what  # the check consumed it
-
-
-def test_torch_clip_grad_norm_skips_placeholders() -> None:
-    from shardopt import clipping
-    from shardopt.placeholders import leave_placeholder
-
-    p, q = nn.Parameter(torch.ones(4, dtype=BF16)), nn.Parameter(torch.ones(4, dtype=BF16))
-    holder = nn.Linear(1, 1)
-    warned_before = clipping._warned  # the warning is once per process; ranks forked later expect theirs
-    clipping.register_sharded(holder, [p], "OSS.clip_grad_norm")
-    try:
-        leave_placeholder(p)
-        q.grad = torch.full((4,), 2.0, dtype=BF16)
-        total = torch.nn.utils.clip_grad_norm_([p, q], 1.0)  # would raise on p's expanded zeros
-        assert float(total) == 4.0 and torch.allclose(q.grad.float(), torch.full((4,), 0.5), atol=1e-2)
-    finally:
-        clipping.unregister(holder, [p])
-        clipping._warned = warned_before

@@ -1,4 +1,23 @@
-"""``ShardedGradScaler``: AMP loss scaling that agrees on inf/nan across ranks."""
+"""``ShardedGradScaler``: AMP loss scaling that agrees on inf/nan across ranks.
+
+Note [torch's GradScaler on sharded gradients]
+Under ShardedDataParallel each rank holds only the gradients it owns, so torch's own
+``GradScaler`` checks a different part of them for inf/nan on each rank: a rank that found
+one skipped ``step()`` alone while the others waited in the post-step parameter gather, a
+hang without a message. Making every rank skip is not enough to train on: torch's scaler
+hands the optimizer a copy of this rank's flag, and its ``update()`` reads its own, so a
+rank that saw no inf would not back off and the ranks' scales would differ from then on.
+So an OSS whose gradients a live ShardedDataParallel shards takes part in torch's
+``_step_supports_amp_scaling`` protocol, under which torch's scaler calls ``OSS.step`` on
+every rank instead of deciding to skip, and the step raises at once, on every rank and
+before any collective, naming ``ShardedGradScaler`` (which agrees on the flag across ranks
+and steps OSS the ordinary way, never asking). The flag is raised only toward torch's
+``GradScaler.step`` itself (the property looks at its caller's code object): other readers
+take it to mean "this optimizer unscales inside its step" (Lightning's AMP plugin then skips
+its unscale before clipping and refuses to clip), which OSS does not. Under DDP (ZeRO-1: DDP and OSS, no ShardedDataParallel)
+every rank holds the full reduced gradients and sees the same inf, so torch's scaler works
+as with DDP and nothing changes.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +25,7 @@ import math
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import GradScaler
+from torch.amp.grad_scaler import GradScaler, OptState
 
 from shardopt import comm
 from shardopt.optim.masters import needs_master
@@ -149,7 +168,10 @@ class ShardedGradScaler(GradScaler):
         Returns:
             What ``optimizer.step`` returned, or ``None`` when the step was skipped.
         """
-        result = super().step(optimizer, *args, **kwargs)
+        if self._enabled and isinstance(optimizer, OSS):
+            result = self._step_oss(optimizer, *args, **kwargs)
+        else:
+            result = super().step(optimizer, *args, **kwargs)
         state = self._per_optimizer_states.get(id(optimizer), {})
         skipped = any(v.item() for v in state.get("found_inf_per_device", {}).values())
         if self._enabled and skipped and isinstance(optimizer, OSS):
@@ -157,6 +179,23 @@ class ShardedGradScaler(GradScaler):
                 master = optimizer.master_of(p)
                 if master is not None:
                     master.grad = None
+        return result
+
+
+    def _step_oss(self, optimizer: OSS, *args: Any, **kwargs: Any) -> float | None:
+        """torch's ordinary ``step`` path (unscale and agree, then step unless any rank found
+        inf/nan), also for an OSS that takes part in torch's ``_step_supports_amp_scaling``
+        protocol (Note [torch's GradScaler on sharded gradients] in :mod:`shardopt.optim.oss`)."""
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        result = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+        state["stage"] = OptState.STEPPED
         return result
 
 

@@ -17,7 +17,7 @@ when the parameter is trainable again.
 
 from __future__ import annotations
 
-import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -27,7 +27,8 @@ from torch.optim import SGD, Optimizer
 
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement, check_same_parameters
-from shardopt.optim.grad_norm import clip_sharded_grads
+from shardopt.clipping import ClipArgs
+from shardopt.optim.grad_norm import clip_for_wrapper, clip_params
 from shardopt.optim.masters import MasterWeights, check_master_dtype, needs_master
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
 from shardopt.optim.state_transport import (
@@ -155,7 +156,7 @@ class OSS(Optimizer):
                                 ("master_dtype", str(master_dtype))], group,
                         "pass the same OSS arguments on every rank")  # Note [agree before the first collective] in agreement
         if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper] in clipping
-            clipping.register_sharded(self, self.params, "OSS.clip_grad_norm")  # the gradients move to the masters
+            clipping.register_sharded(self, self.params, "OSS.clip_grad_norm", clip_for_wrapper)  # grads go to masters
         elif master_dtype is not None:
             _warn_once("no-masters", f"OSS(master_dtype={master_dtype}): every parameter is already {master_dtype}, "
                        "so no master copies are kept and nothing changes; remove master_dtype, or cast the model "
@@ -342,6 +343,7 @@ class OSS(Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
+        clipping.refuse_torch_grad_scaler(self, self.rank)  # Note [torch's GradScaler on sharded gradients]
         if tuple(p.requires_grad for p in self.params) != self._trainable_sig:
             _warn_once("trainable", "OSS: parameters were frozen or unfrozen; call refresh_trainable() on "
                        "every rank (ShardedDataParallel does it for you)")
@@ -366,6 +368,11 @@ class OSS(Optimizer):
         self._gather.gather()
         return loss
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True toward torch's GradScaler.step under ShardedDataParallel (Note [torch's GradScaler on sharded gradients])."""
+        return clipping.torch_scaler_asks(sys._getframe(1)) and clipping.sharded_by_another(self.params, self)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim``'s over every parameter; also frees the masters' gradients
         whatever ``set_to_none`` says (Note [master gradients] in shardopt.optim.masters).
@@ -387,8 +394,9 @@ class OSS(Optimizer):
         How it works: each rank takes the norm of each owned gradient, the ranks exchange
         those per-parameter norms in one small all-reduce, and every rank combines them in
         the order ``torch.nn.utils.clip_grad_norm_`` would (grouped by device and dtype, then
-        parameter order), so the total equals torch's on the full gradients (Note [sharded
-        norm in torch's order] in :mod:`shardopt.optim.grad_norm`). Owned gradients are then
+        the module's order under ShardedDataParallel, else that of :attr:`params`), so the
+        total equals torch's on the full gradients bit for bit (Note [sharded norm in torch's
+        order] in :mod:`shardopt.optim.grad_norm`). Owned gradients are then
         scaled by ``min(1, max_norm / (total + 1e-6))``; other ranks' gradients are left
         alone (their owners scale them). With masters, the norm is taken of and the clip
         applied to the masters' fp32 gradients (owned ``.grad`` folded in first).
@@ -402,21 +410,13 @@ class OSS(Optimizer):
         Returns:
             The total norm, a tensor in the promoted dtype of the trainable parameters'
             gradients (``master_dtype`` for those with masters).
+
+        Raises:
+            RuntimeError: another rank did not call it (Note [clip on some ranks only]).
         """
         params = self.params
-        self._masters.fold_grads(params)
-        held = {p: self._masters.stepped(i, p) for i, p in enumerate(params) if self.owns(i)}
-        mine = [p for p, t in held.items() if t.grad is not None]
-        if filter_params_fn is not None:
-            mine = list(filter_params_fn(mine))
-        position = {p: i for i, p in enumerate(params)}
-        master = self.master_dtype
-        grad_dtypes = [master if master is not None and needs_master(p.dtype, master) else p.dtype for p in params]
-        kinds = [(p.device, d) for p, d in zip(params, grad_dtypes)]
-        dtype = functools.reduce(torch.promote_types, [d for p, d in zip(params, grad_dtypes) if p.requires_grad]
-                                 or [torch.float32])
-        grads = {position[p]: held[p].grad.detach() for p in mine}  # type: ignore[union-attr]
-        return clip_sharded_grads(grads, kinds, dtype, max_norm, float(norm_type), self.group)
+        ordered = clipping.in_wrapper_order(params, self)  # Note [sharded norm in torch's order]
+        return clip_params([self], ordered, ClipArgs(float(max_norm), float(norm_type)), filter_params_fn)
 
     # ------------------------------------------------------------------ state dict
 

@@ -25,12 +25,14 @@ from torch.autograd.graph import get_gradient_edge
 
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement
+from shardopt.nn.data_parallel.ddp_habits import refuse_ddp_only
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
 from shardopt.nn.data_parallel.gradient_checks import check_accumulated, check_grads_are_leaves
 from shardopt.nn.data_parallel.owner_grads import OwnerGrads
 from shardopt.nn.data_parallel.reduction_queue import PassThroughQueue, ReductionQueue
 from shardopt.nn.data_parallel.streams import streams_for
 from shardopt.nn.module_checks import refuse_sparse_modules
+from shardopt.optim.grad_norm import clip_for_wrapper
 from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
 
@@ -166,7 +168,7 @@ class ShardedDataParallel(nn.Module):
         self._setup()
         _expose_forward_signature(self)
         if self.world_size > 1:  # Note [clipping that bypasses the wrapper] in shardopt.clipping
-            clipping.register_sharded(self, module.parameters(), "OSS.clip_grad_norm")
+            clipping.register_sharded(self, module.parameters(), "OSS.clip_grad_norm", clip_for_wrapper)
 
     # ------------------------------------------------------------------ setup
 
@@ -303,8 +305,17 @@ class ShardedDataParallel(nn.Module):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """Whether the next backward reduces gradients (False inside :meth:`no_sync`)."""
+        """Whether the next backward reduces gradients (False inside :meth:`no_sync`); settable as
+        DDP's (Note [DDP attributes on ShardedDataParallel] in ``ddp_habits``)."""
         return self._should_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._should_sync = bool(value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        refuse_ddp_only(name, setting=True)  # Note [DDP attributes on ShardedDataParallel]
+        super().__setattr__(name, value)
 
     @property
     def reduction_buckets(self) -> tuple[GradBucket, ...]:
@@ -317,6 +328,8 @@ class ShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if not hasattr(self.module, name):
+                refuse_ddp_only(name, setting=False)
             return getattr(self.module, name)
 
     @contextlib.contextmanager
