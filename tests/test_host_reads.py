@@ -14,6 +14,7 @@ import torch
 
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
+from shardopt.optim.grad_scaler import ShardedGradScaler
 from shardopt.testing import run_ranks
 from tests.helpers.data import rank_batch, seeded_mlp
 from tests.helpers.host_reads import HostReadAudit
@@ -51,10 +52,24 @@ def _audit(rank: int, world_size: int) -> dict[str, Any]:
                 _loss(sdp, precision, rank, step).backward()
             out[f"{precision}/backward{step}"] = audit.hits
             with HostReadAudit() as audit:
+                (opt.clip_grad_norm if step % 2 else lambda m: torch.nn.utils.clip_grad_norm_(sdp.parameters(), m))(1.0)
+            out[f"{precision}/clip{step}"] = audit.hits
+            with HostReadAudit() as audit:
                 opt.step()
             if step > 0:  # the first step compares masters with their parameters once
                 out[f"{precision}/step{step}"] = audit.hits
         sdp.close()
+    # The scaler: torch's one step-or-skip read, no other.
+    sdp, opt = _build("fp32")
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8)
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(_loss(sdp, "fp32", rank, step)).backward()
+        with HostReadAudit() as audit:
+            scaler.step(opt)
+            scaler.update()
+        out[f"scaler{step}"] = audit.hits
+    sdp.close()
     # A parameter this rank owns but did not use: one read of the summed flags per backward,
     # on the owner only, and the gradient other ranks sent arrives.
     model = Branchy()
@@ -83,6 +98,12 @@ def test_zero2_backward_and_step_read_nothing_from_the_device_when_every_paramet
         for key in [k for k in out if "/backward" in k and not k.startswith("unused")] + [
                 k for k in out if "/step" in k]:
             assert out[key] == [], (rank, key, out[key])
+        for key in [k for k in out if "/clip" in k]:  # which slots any rank counted: at most one read
+            # (none at one rank, where torch's own clip runs on the local gradients)
+            assert [what for what, _ in out[key]] in ([], ["nonzero", "tolist"]), (rank, key, out[key])
+            assert len({where for _, where in out[key]}) <= 1, out[key]  # both on one line
+        for key in [k for k in out if k.startswith("scaler")]:  # torch's step-or-skip decision
+            assert [what for what, _ in out[key]] == ["item"], (rank, key, out[key])
         # Unused here: exactly one read on a rank that owns such a parameter (none at one rank,
         # where unused here is unused everywhere), none elsewhere.
         expected = 1 if world_size > 1 and out["owns_unused"] else 0

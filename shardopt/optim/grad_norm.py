@@ -92,8 +92,8 @@ def _norms_into(exchange: torch.Tensor, grads: Mapping[int, torch.Tensor], count
         else:  # the same per-tensor kernel torch's clip uses (a per-tensor loop on the CPU)
             norms = list(torch._foreach_norm(tensors, args.norm_type))
         for i, n in zip(indices, norms):
-            exchange[i] = n.to(exchange.device)
-            exchange[count + i] = 1
+            exchange[i] = n.to(exchange.device)  # a device value into a device tensor: no host read
+            exchange[count + i : count + i + 1].fill_(1)  # a slice: no host read (Note [host reads per step])
 
 
 def clip_sharded_grads(
@@ -133,12 +133,15 @@ def clip_sharded_grads(
         _check_everyone_clips(group)
         comm.all_reduce(exchange, group, op="sum", label=_LABEL).wait()
     _norms_into(exchange, local or {}, count, args)
-    counted = (exchange[count:] > 0).nonzero().flatten().tolist()  # one device sync, not one per param
+    # Which slots any rank counted decides which norms torch would stack, and in what order.
+    counted = (exchange[count:] > 0).nonzero().flatten().tolist()  # host-read: the clip's one
     if counted:  # no gradient anywhere: torch's total is 0 too
-        total = torch.linalg.vector_norm(exchange[_torch_norm_order(counted, kinds)], norm_type)
+        # Stacked from integer views: a Python list as an index would be copied to the device.
+        ordered = torch.stack([exchange[i] for i in _torch_norm_order(counted, kinds)])
+        total = torch.linalg.vector_norm(ordered, norm_type)
     else:
         total = torch.zeros((), dtype=dtype, device=device)
-    if args.error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+    if args.error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):  # host-read: as torch's
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
             "be clipped (on every rank: the norm is global). To disable this error and scale the gradients by "

@@ -169,17 +169,24 @@ class ShardedGradScaler(GradScaler):
             What ``optimizer.step`` returned, or ``None`` when the step was skipped.
         """
         if self._enabled and isinstance(optimizer, OSS):
-            result = self._step_oss(optimizer, *args, **kwargs)
-        else:
-            result = super().step(optimizer, *args, **kwargs)
-        state = self._per_optimizer_states.get(id(optimizer), {})
-        skipped = any(v.item() for v in state.get("found_inf_per_device", {}).values())
-        if self._enabled and skipped and isinstance(optimizer, OSS):
+            return self._step_oss(optimizer, *args, **kwargs)
+        return super().step(optimizer, *args, **kwargs)
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any,
+                        **kwargs: Any) -> float | None:
+        # torch's step-or-skip decision, read once (torch reads it here too; it used to be read
+        # a second time after the step, when the host then waited for the whole step on a GPU:
+        # Note [host reads per step] in shardopt.nn.data_parallel.grad_buckets). A skipped step
+        # also frees the masters' gradients.
+        found = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())  # host-read: torch's one
+        if not found:
+            return optimizer.step(*args, **kwargs)
+        if isinstance(optimizer, OSS):
             for p in optimizer.params:
                 master = optimizer.master_of(p)
                 if master is not None:
                     master.grad = None
-        return result
+        return None
 
 
     def _step_oss(self, optimizer: OSS, *args: Any, **kwargs: Any) -> float | None:
