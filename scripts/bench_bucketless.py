@@ -26,7 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardopt.testing import run_ranks  # noqa: E402
+from shardopt.testing import run_ranks
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -73,7 +73,7 @@ def main() -> None:
             for bucket in (0, 2**23):
                 per_rank: list[Any] = run_ranks(_rank, args.world_size, which, bucket, args.steps, timeout_s=600)
                 key = f"{which} reduce_buffer_size={bucket}"
-                rows.setdefault(key, []).extend(max(step) for step in zip(*per_rank))
+                rows.setdefault(key, []).extend(max(step) for step in zip(*per_rank, strict=False))
     base = {b: statistics.median(rows[f"fairscale reduce_buffer_size={b}"]) for b in (0, 2**23)}
     print(f"{'setup':40} {'median step ms':>15} {'vs fairscale':>13}")
     for key, times in rows.items():

@@ -21,9 +21,9 @@ import matplotlib
 import matplotlib.ticker
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from shardopt.memory import ModelStateEstimate, estimate_model_states  # noqa: E402
+from shardopt.memory import ModelStateEstimate, estimate_model_states
 
 RANKS = sorted({round(2 ** (i / 8)) for i in range(0, 81)})  # 1 .. 1024, dense on a log axis
 

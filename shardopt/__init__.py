@@ -12,6 +12,6 @@ __all__ = [
     "Partition",
     "ShardedDataParallel",
     "ShardedGradScaler",
-    "partition_by_size",
     "__version__",
+    "partition_by_size",
 ]

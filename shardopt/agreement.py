@@ -47,7 +47,7 @@ def check_agreement(what: str, entries: Sequence[tuple[str, Any]], group: comm.P
     if found is None:
         return
     other, mine, theirs = found
-    for (name, a), (name_b, b) in zip(mine, theirs):
+    for (name, a), (name_b, b) in zip(mine, theirs, strict=False):
         if (name, a) != (name_b, b):
             detail = (f"{name} is {a} on rank 0 but {b} on rank {other}" if name == name_b else
                       f"entry {name!r} on rank 0 is {name_b!r} on rank {other}")
@@ -81,7 +81,7 @@ def check_same_parameters(what: str, param_groups: Sequence[dict[str, Any]], gro
     if found is None:
         return
     other, a, b = found
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             detail = (f"parameter {i} is (group, shape, dtype, requires_grad, contiguous)={x} on rank 0 "
                       f"but {y} on rank {other}")

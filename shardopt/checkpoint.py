@@ -359,8 +359,8 @@ def read_extra(path: str) -> dict[str, Any] | None:
         return None
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return None  # not a torch.save file at all, or a damaged one
+    except Exception:  # noqa: BLE001 - not a torch.save file at all, or a damaged one: not a checkpoint
+        return None
     if not isinstance(blob, dict) or blob.get("format") not in (CONSOLIDATED_FORMAT, *_OLD_FORMATS):
         return None
     return dict(blob["extra"])

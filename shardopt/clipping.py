@@ -223,7 +223,7 @@ def _clip_whole(reg: Registration, plain: list[torch.Tensor], passed: set[int], 
             + f": its gradients are sharded as flat pieces, so only all of them together can be clipped: pass "
             f"model.parameters() of the {name} (all of them, nothing else), or call {reg.method}(max_norm)"
         )
-    total: torch.Tensor = getattr(reg.wrapper, "clip_grad_norm_")(args.max_norm, args.norm_type)
+    total: torch.Tensor = getattr(reg.wrapper, "clip_grad_norm_")(args.max_norm, args.norm_type)  # noqa: B009 - typed object
     if args.error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
         raise RuntimeError(
             f"The total norm of order {args.norm_type} for gradients from `parameters` is non-finite, so it cannot "

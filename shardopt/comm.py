@@ -57,13 +57,13 @@ FSDP's full parameter buffer between phases, whose views must stay valid objects
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,11 +88,11 @@ __all__ = [
     "group_size",
     "peers",
     "prefers_point_to_point",
-    "require_initialized",
     "recv_object",
-    "report_failure",
     "reduce_scatter",
     "release_storage",
+    "report_failure",
+    "require_initialized",
     "send_object",
     "wait_all",
 ]

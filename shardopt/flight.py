@@ -49,7 +49,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch.distributed as dist
 
@@ -261,7 +260,7 @@ class Watch:
             return None
         if now - last[1] < STALE_S:
             return None
-        _, seq, label = (beat.split("|", 2) + ["", ""])[:3] if beat else ("", "-1", "")
+        _, seq, label = ([*beat.split("|", 2), "", ""])[:3] if beat else ("", "-1", "")
         where = (other.words() if other is not None else
                  f"{failures.describe(label)} #{seq}" if label else "no collective yet")
         return (f"rank {peer} stopped progressing: its heartbeat has not moved for {now - last[1]:.1f} s (the process "

@@ -8,8 +8,8 @@ the optimizer and the data-parallel wrapper agree on ownership without talking.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["Partition", "partition_by_size"]
 
@@ -48,7 +48,7 @@ class Partition:
     def rank_bytes(self) -> tuple[int, ...]:
         """Total bytes owned by each rank."""
         totals = [0] * self.num_ranks
-        for size, owner in zip(self.sizes, self.owners):
+        for size, owner in zip(self.sizes, self.owners, strict=True):
             totals[owner] += size
         return tuple(totals)
 

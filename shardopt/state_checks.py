@@ -176,7 +176,7 @@ def state_fits(value: Any, param_shape: torch.Size) -> bool:
     """
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return True
-    return value.dim() == len(param_shape) and all(a in (b, 1) for a, b in zip(value.shape, param_shape))
+    return value.dim() == len(param_shape) and all(a in (b, 1) for a, b in zip(value.shape, param_shape, strict=True))
 
 
 def entry_fits(name: str, value: Any, param_shape: torch.Size) -> bool:

@@ -264,11 +264,11 @@ def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         The merged per-rank reports, with ``rounds`` and ``round_median_step_s`` added.
     """
     merged = []
-    for per_round in zip(*rounds):
+    for per_round in zip(*rounds, strict=False):
         first = dict(per_round[0])
         times = [t for r in per_round for t in r["step_times_s"]]
 
-        def largest(key: str) -> Any:
+        def largest(key: str, per_round: tuple[Any, ...] = per_round) -> Any:
             values = [r[key] for r in per_round]
             return None if any(v is None for v in values) else max(values)
 
@@ -348,7 +348,7 @@ def plot(results: list[ModeResult], path: str, title: str) -> None:
               ("median step (ms)", "median_step_s", 1000.0))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
     names = [r.mode for r in results]
-    for ax, (label, key, scale) in zip(axes, panels):
+    for ax, (label, key, scale) in zip(axes, panels, strict=True):
         values = [(r.worst(key) or 0.0) * scale for r in results]
         ax.bar(names, values, color=["#888888" if resolve(n)[0].peer else "#2a7ab9" for n in names])
         ax.set_title(label)

@@ -454,7 +454,7 @@ def _load_factory(command: str, spec: str) -> torch.nn.Module:
         _fail(command, f"--model {spec!r}: cannot load {attr!r} from {module_name!r} ({exc})")
     try:
         model = factory() if callable(factory) else factory
-    except Exception as exc:  # a class or function that needs arguments, or fails on its own
+    except Exception as exc:  # noqa: BLE001 - a user's factory may raise anything: one usage line, no traceback
         _fail(command, f"--model {spec!r}: calling {attr}() with no arguments failed ({type(exc).__name__}: {exc}); "
               "point --model at a function that takes no arguments and returns the model (e.g. "
               "mymodels:build_small), or use --params N")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CharBatches", "GPT", "GPTConfig", "PRESETS", "build_model", "stdlib_corpus"]
+__all__ = ["GPT", "PRESETS", "CharBatches", "GPTConfig", "build_model", "stdlib_corpus"]
 
 VOCAB_BYTES = 256
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})

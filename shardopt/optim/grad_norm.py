@@ -91,7 +91,7 @@ def _norms_into(exchange: torch.Tensor, grads: Mapping[int, torch.Tensor], count
             norms = [torch.linalg.vector_norm(t, args.norm_type) for t in tensors]
         else:  # the same per-tensor kernel torch's clip uses (a per-tensor loop on the CPU)
             norms = list(torch._foreach_norm(tensors, args.norm_type))
-        for i, n in zip(indices, norms):
+        for i, n in zip(indices, norms, strict=True):
             exchange[i] = n.to(exchange.device)  # a device value into a device tensor: no host read
             exchange[count + i : count + i + 1].fill_(1)  # a slice: no host read (Note [host reads per step])
 

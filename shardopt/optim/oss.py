@@ -215,7 +215,7 @@ class OSS(Optimizer):
         result: list[list[dict[str, Any]]] = [[] for _ in range(self.world_size)]
         for g, indices in _group_ranges(self.param_groups):
             for r in range(self.world_size):
-                mine = [p for i, p in zip(indices, g["params"]) if owners[i] == r and sizes[i] > 0]
+                mine = [p for i, p in zip(indices, g["params"], strict=True) if owners[i] == r and sizes[i] > 0]
                 result[r].append({**_hyper(g), "params": mine})
         return result
 
@@ -273,7 +273,7 @@ class OSS(Optimizer):
         self._masters.rebuild(params, trainable, {i: old_state[i].pop(MASTER_KEY) for i in trainable
                                                   if MASTER_KEY in old_state.get(i, {})})
         self._index_of = {p: i for i, p in enumerate(params)}
-        shard_groups = [{**_hyper(g), "params": [self._masters.stepped(i, p) for i, p in zip(indices, g["params"])
+        shard_groups = [{**_hyper(g), "params": [self._masters.stepped(i, p) for i, p in zip(indices, g["params"], strict=True)
                                                  if i in trainable]}
                         for g, indices in _group_ranges(self.param_groups)]
         # See Note [shard optimizer rebuild].
@@ -321,12 +321,12 @@ class OSS(Optimizer):
 
     def _push_hyperparams(self) -> None:
         """Copy the global groups' hyperparameters (schedulers, user edits) to the shard."""
-        for group, shard_group in zip(self.param_groups, self.optim.param_groups):
+        for group, shard_group in zip(self.param_groups, self.optim.param_groups, strict=True):
             shard_group.update(_hyper(group))
 
     def _pull_hyperparams(self) -> None:
         """Copy the shard groups' hyperparameters back to the global view."""
-        for group, shard_group in zip(self.param_groups, self.optim.param_groups):
+        for group, shard_group in zip(self.param_groups, self.optim.param_groups, strict=True):
             group.update(_hyper(shard_group))
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
@@ -511,7 +511,7 @@ class OSS(Optimizer):
                              "load a state dict saved from the same model and param groups")
         params, owners = self.params, self._partition.owners
         check_state_fits(state_dict["state"], to_index, params)  # before anything changes
-        for g, saved in zip(self.param_groups, groups):
+        for g, saved in zip(self.param_groups, groups, strict=False):
             g.update(_hyper(saved))
         state = {to_index[k]: dict(s) for k, s in state_dict["state"].items()}
         saved_masters = {i: s.pop(MASTER_KEY) for i, s in state.items() if MASTER_KEY in s}
@@ -524,7 +524,7 @@ class OSS(Optimizer):
         position = {self._masters.stepped(i, p): i for i, p in enumerate(params)}
         local_groups = [
             {**_hyper(g), "params": [position[p] for p in sg["params"]]}
-            for g, sg in zip(self.param_groups, self.optim.param_groups)
+            for g, sg in zip(self.param_groups, self.optim.param_groups, strict=True)
         ]
         trainable = {i for sg in local_groups for i in sg["params"]}
         self.optim.load_state_dict(
@@ -593,6 +593,6 @@ class OSS(Optimizer):
             if index < len(self.params) and self.owns(index):
                 state.setdefault(index, {})[name] = value
         groups = [{**saved, "params": list(indices)}
-                  for (_, indices), saved in zip(_group_ranges(self.param_groups), param_groups)]
+                  for (_, indices), saved in zip(_group_ranges(self.param_groups), param_groups, strict=False)]
         self.load_state_dict({"state": state, "param_groups": groups})
 

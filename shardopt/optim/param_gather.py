@@ -41,7 +41,7 @@ import torch
 from shardopt import comm
 from shardopt.partition import Partition
 
-__all__ = ["ParamGather", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_GATHER_BUCKET_BYTES"]
+__all__ = ["DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_GATHER_BUCKET_BYTES", "ParamGather"]
 
 DEFAULT_GATHER_BUCKET_BYTES = 2**24
 DEFAULT_DIRECT_MIN_BYTES = 2**18
@@ -111,7 +111,7 @@ class ParamGather:
         self._fp16 = fp16
         classes: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
         self._direct: list[list[torch.Tensor]] = [[] for _ in range(self._num_ranks)]
-        for param, owner, size in zip(params, partition.owners, partition.sizes):
+        for param, owner, size in zip(params, partition.owners, partition.sizes, strict=True):
             if size == 0:
                 continue  # frozen: nothing changes, nothing to send
             if (size >= direct_min_bytes and self._wire_dtype(param.dtype) == param.dtype
@@ -128,7 +128,7 @@ class ParamGather:
                 for p in ps:
                     offsets.append(total)
                     total += p.numel()
-                starts.append(tuple(offsets + [total]))
+                starts.append(tuple([*offsets, total]))
             self._streams.append(
                 _Stream(device, dtype, tuple(tuple(ps) for ps in by_rank), tuple(starts), max(s[-1] for s in starts),
                         comm.prefers_point_to_point(group, device))

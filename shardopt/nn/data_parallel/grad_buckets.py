@@ -285,7 +285,7 @@ class GradBucket:
         if k in self._filled:
             raise AssertionError(f"[rank {self._rank}] parameter {k} of bucket {self.spec.index} filled twice")
         assert self._send is not None
-        owner, start, flag = self._slot[k]
+        owner, start, _ = self._slot[k]
         slot = self._send[owner][start : start + param.numel()]
         if grad.dtype.itemsize < slot.dtype.itemsize:
             slot.copy_(grad.reshape(-1)).mul_(self._scale)

@@ -195,7 +195,7 @@ class ShardedDataParallel(nn.Module):
                                          streams_for(device, self.process_group))
         # The engine holds AccumulateGrad nodes weakly: keep them, or the hooks die with them.
         self._accumulators = [get_gradient_edge(p).node for p in trainable]
-        for p, accumulator in zip(trainable, self._accumulators):
+        for p, accumulator in zip(trainable, self._accumulators, strict=True):
             # Note [owner's gradient across backward passes] in owner_grads
             self._hook_handles.append(accumulator.register_prehook(functools.partial(self._grads.before_accumulate, p)))
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
@@ -273,7 +273,7 @@ class ShardedDataParallel(nn.Module):
         self._grads.restore()
         self._closed = True
 
-    def __enter__(self) -> ShardedDataParallel:
+    def __enter__(self) -> ShardedDataParallel:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -27,9 +27,9 @@ from torch import nn
 
 from shardopt import comm
 from shardopt.agreement import check_agreement
-from shardopt.nn.module_checks import refuse_sparse_modules
 from shardopt.nn.fsdp.materialize import materialize
 from shardopt.nn.fsdp.options import UnitConfig
+from shardopt.nn.module_checks import refuse_sparse_modules
 
 __all__ = ["agree_and_sync", "prepare"]
 
@@ -96,7 +96,7 @@ def agree_and_sync(
     entries: list[tuple[str, object]] = [
         (f"the values of {kind} {name!r} (sum of bit patterns)", s)
         for (kind, name), s in zip([("parameter", n) for n, _ in named] + [("buffer", n) for n, _ in named_buffers],
-                                   sums)
+                                   sums, strict=False)
     ]
     for _, group in groups:
         check_agreement("FullyShardedDataParallel", entries, group,

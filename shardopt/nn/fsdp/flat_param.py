@@ -205,7 +205,7 @@ class FlatParamHandle:
         lay = self.layout
         with torch.no_grad():
             self.shard = torch.zeros(lay.shard_numel, dtype=self.master_dtype, device=self.device)
-            for p, slot in zip(params, lay.slots):
+            for p, slot in zip(params, lay.slots, strict=True):
                 self.local_of(self.shard, slot).copy_(
                     p.detach().reshape(-1)[slot.piece_begin : slot.piece_begin + slot.piece_numel].view(slot.local_shape)
                 )
@@ -254,7 +254,7 @@ class FlatParamHandle:
         elements, ready to reduce-scatter; a ``None`` writes zeros (Note [flat parameter layout])."""
         lay = self.layout
         with torch.no_grad():
-            for grad, slot in zip(grads, lay.slots):
+            for grad, slot in zip(grads, lay.slots, strict=True):
                 if slot.segment_numel:
                     _pack_one(lay.rows_in(packed, slot), grad, slot, accumulate)
 
@@ -271,12 +271,12 @@ class FlatParamHandle:
 
     def use_shard_views(self) -> None:
         """Point every parameter at its rows of the shard (shape ``slot.local_shape``)."""
-        for p, view in zip(self.params, self.shard_views):
+        for p, view in zip(self.params, self.shard_views, strict=True):
             p.data = view
 
     def use_views(self, views: list[torch.Tensor]) -> None:
         """Point every parameter at ``views`` (full shapes)."""
-        for p, view in zip(self.params, views):
+        for p, view in zip(self.params, views, strict=True):
             p.data = view
 
     def alloc_full(self) -> None:
@@ -300,4 +300,4 @@ class FlatParamHandle:
 
     def trainable(self) -> list[tuple[nn.Parameter, ParamSlot]]:
         """The parameters that currently require gradients, with their slots."""
-        return [(p, s) for p, s in zip(self.params, self.layout.slots) if p.requires_grad]
+        return [(p, s) for p, s in zip(self.params, self.layout.slots, strict=True) if p.requires_grad]

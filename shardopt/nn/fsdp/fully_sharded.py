@@ -303,7 +303,7 @@ class FullyShardedDataParallel(nn.Module):
         the model's count is ``sum(s.numel() for s in model.full_parameter_shapes().values())``.
         """
         slots = {id(p): slot for m in self._units() if m.unit.handle is not None
-                 for p, slot in zip(m.unit.handle.params, m.unit.handle.layout.slots)}
+                 for p, slot in zip(m.unit.handle.params, m.unit.handle.layout.slots, strict=True)}
         return {n: slots[id(p)].shape if id(p) in slots else p.shape for n, p in self.named_parameters()}
 
     @contextlib.contextmanager

@@ -53,4 +53,4 @@ class PostBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.on_backward()
-        return (None,) + grads
+        return (None, *grads)

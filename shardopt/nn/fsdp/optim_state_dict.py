@@ -48,7 +48,7 @@ def _locate(units: list[Unit]) -> dict[int, tuple[Unit, ParamSlot]]:
     where: dict[int, tuple[Unit, ParamSlot]] = {}
     for unit in units:
         if unit.handle is not None:
-            for p, slot in zip(unit.handle.params, unit.handle.layout.slots):
+            for p, slot in zip(unit.handle.params, unit.handle.layout.slots, strict=True):
                 where[id(p)] = (unit, slot)
     return where
 
@@ -169,7 +169,7 @@ def shard_full_optim_state_dict(
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     index = 0
-    for saved_group, group in zip(full_osd["param_groups"], optim.param_groups):
+    for saved_group, group in zip(full_osd["param_groups"], optim.param_groups, strict=False):
         ids = []
         for p in group["params"]:
             name = names.get(id(p))
@@ -220,8 +220,8 @@ def _keyed_by_name(osd: dict[str, Any], optim: torch.optim.Optimizer, names: dic
             f"parameters by position, but its param groups hold {saved_sizes} parameters and optim's hold {sizes}; {fix}"
         )
     mapping: dict[int, str] = {}
-    for saved, group in zip(osd["param_groups"], optim.param_groups):
-        for index, p in zip(saved["params"], group["params"]):
+    for saved, group in zip(osd["param_groups"], optim.param_groups, strict=False):
+        for index, p in zip(saved["params"], group["params"], strict=False):
             if id(p) not in names:
                 raise ValueError(
                     f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the model's "
@@ -279,7 +279,7 @@ def _init_state(optim: torch.optim.Optimizer) -> None:
             p.grad = torch.zeros_like(p)
         optim.step()
     finally:
-        for group, lr in zip(optim.param_groups, saved):
+        for group, lr in zip(optim.param_groups, saved, strict=False):
             if lr is not None:
                 group["lr"] = lr
         for p in params:

@@ -202,7 +202,7 @@ def _locate(units: list[Unit]) -> dict[int, Unit]:
 
 def _slots(units: list[Unit]) -> dict[int, ParamSlot]:
     return {
-        id(p): slot for u in units if u.handle is not None for p, slot in zip(u.handle.params, u.handle.layout.slots)
+        id(p): slot for u in units if u.handle is not None for p, slot in zip(u.handle.params, u.handle.layout.slots, strict=True)
     }
 
 

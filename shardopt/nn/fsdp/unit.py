@@ -239,7 +239,7 @@ class Unit:
             return args, kwargs
         outs = PostBackward.apply(self.post_backward, *[flat[i] for i in idx])
         outs = (outs,) if len(idx) == 1 else outs
-        for i, t in zip(idx, outs):
+        for i, t in zip(idx, outs, strict=True):
             flat[i] = t
         self.counts.hooked_calls += 1
         return pytree.tree_unflatten(flat, spec)  # type: ignore[no-any-return]
@@ -385,7 +385,7 @@ class Unit:
                 "dataclasses of tensors) from forward so FSDP can hook them"
             )
         handle.use_shard_views()
-        for p, g in zip(handle.params, self.stash):
+        for p, g in zip(handle.params, self.stash, strict=True):
             p.grad = g
         self.stash = []
         self.prefetched = False
@@ -522,7 +522,7 @@ class Unit:
         grads: torch.Tensor | None = None
         if with_grads:
             grad_shard = torch.zeros_like(handle.shard)
-            for p, slot in zip(handle.params, handle.layout.slots):
+            for p, slot in zip(handle.params, handle.layout.slots, strict=True):
                 if p.grad is not None:
                     handle.local_of(grad_shard, slot).copy_(p.grad)
             grads = handle.unpack(self._gather_flat(grad_shard))
@@ -535,7 +535,7 @@ class Unit:
                 p.grad = None
             handle.use_views(handle.views_into(full))
             if grads is not None:
-                for p, view in zip(handle.params, handle.views_into(grads)):
+                for p, view in zip(handle.params, handle.views_into(grads), strict=True):
                     if p.requires_grad:
                         p.grad = view
         return record
@@ -557,7 +557,7 @@ class Unit:
         if writeback and record.visible and record.full.data_ptr() != handle.shard.data_ptr():
             handle.write_local(record.full, handle.shard)
         handle.use_shard_views()
-        for p, g in zip(handle.params, record.grads):
+        for p, g in zip(handle.params, record.grads, strict=True):
             p.grad = g
 
 

@@ -122,7 +122,7 @@ def _walk(module: nn.Module, prefix: str, is_unit: Callable[[nn.Module], bool], 
         return
     yield prefix, module, stack
     for child_name, child in module.named_children():
-        inner = stack + (child,) if is_unit(child) else stack
+        inner = (*stack, child) if is_unit(child) else stack
         yield from _walk(child, f"{prefix}.{child_name}" if prefix else child_name, is_unit, skip, inner)
 
 
