@@ -16,8 +16,29 @@ schedulers): ZeRO-1/2 rebuild the optimizer as OSS and rebind the schedulers
 built on the sharded parameters. Gradient accumulation uses the wrapper's ``no_sync``;
 ``gradient_clip_val`` with the norm algorithm clips by the global norm (Note [clipping
 sharded gradients]); precision ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (with
-:class:`~shardopt.optim.grad_scaler.ShardedGradScaler`); checkpoints hold plain, full state
+:class:`~shardopt.optim.grad_scaler.ShardedGradScaler`), and ``"bf16-true"`` / ``"16-true"``
+meaning what DeepSpeed users expect: low-precision parameters with fp32 master weights on
+their owner (Note [true precision means fp32 masters]); checkpoints hold plain, full state
 dicts; after ``fit`` the LightningModule is a plain module again.
+
+Note [true precision means fp32 masters]
+Lightning's ``"bf16-true"`` under DDP casts the module to bf16 and steps the optimizer on the
+bf16 parameters (Adam's moments in bf16 too). DeepSpeed's bf16 keeps bf16 parameters and an
+fp32 copy of each (the master) that the optimizer steps, so small updates are not rounded
+away. With the shardopt strategies ``"bf16-true"``/``"16-true"`` mean DeepSpeed's: ZeRO-1/2
+cast the module to the low dtype and build the OSS with ``master_dtype=torch.float32`` (the
+owner of a parameter keeps its master, moments and fp32 gradient); ZeRO-3 rounds the module's
+weights to the low dtype but keeps them fp32 and wraps with ``MixedPrecision(param_dtype=low,
+reduce_dtype=low, buffer_dtype=low)``: the fp32 flat shards are the masters, units are gathered
+and gradients reduced in the low dtype. ``"16-true"`` adds a ShardedGradScaler (fp16 gradients
+overflow without loss scaling); unscaling runs on the fp32 master gradients. Bytes per
+parameter are tabled in docs/integrations-precision.md. After ``fit`` the module holds the
+low-precision weights (the masters are not kept: save a checkpoint to keep them).
+The plugin runs Lightning's closure itself before ``optimizer.step()``: ``OSS.step(closure)``
+with masters folds ``param.grad`` into the masters *before* the closure, so with gradient
+accumulation under DDP the earlier micro-batches' local gradients would leave ``param.grad``
+before the last backward's all-reduce sums them (measured: first-step updates of the wrong
+sign, 4e-2 off at lr 2e-2).
 
 Note [clipping sharded gradients]
 Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters on
@@ -39,17 +60,18 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
 from shardopt.integrations.convert import rebind_scheduler, release, to_oss
-from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
+from shardopt.nn import FullyShardedDataParallel, MixedPrecision as FSDPMixedPrecision, ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 
 __all__ = [
-    "ShardedMixedPrecision", "ShardedPrecision", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy",
+    "ShardedHalfPrecision", "ShardedMixedPrecision", "ShardedPrecision", "ZeRO1Strategy", "ZeRO2Strategy",
+    "ZeRO3Strategy",
 ]
 
 logger = logging.getLogger(__name__)
@@ -102,6 +124,105 @@ class ShardedMixedPrecision(MixedPrecision):
         self.clip_norm(_unwrap(optimizer), float(clip_val))
 
 
+class ShardedHalfPrecision(HalfPrecision):
+    """Lightning's ``"bf16-true"`` / ``"16-true"`` as DeepSpeed means them: low-precision
+    parameters with fp32 masters (Note [true precision means fp32 masters]), global-norm
+    clipping and, for ``"16-true"``, loss scaling with a ShardedGradScaler.
+
+    Args:
+        precision: ``"bf16-true"`` or ``"16-true"``.
+        clip_norm: as for :class:`ShardedPrecision`.
+        scaler: for ``"16-true"``; default a ``ShardedGradScaler`` on the model's device,
+            made when the plugin is connected to the model.
+        keep_fp32_module: round the module's floating weights and buffers to the low dtype
+            but keep them fp32 (ZeRO-3, whose fp32 shards are the masters) instead of
+            casting the module.
+
+    Raises:
+        ValueError: ``precision`` is not one of the two, or a scaler was given for bf16.
+    """
+
+    def __init__(self, precision: str, clip_norm: ClipNorm, scaler: ShardedGradScaler | None = None,
+                 keep_fp32_module: bool = False) -> None:
+        if precision not in ("bf16-true", "16-true"):
+            raise ValueError(f"ShardedHalfPrecision(precision={precision!r}): precision must be 'bf16-true' or "
+                             "'16-true'; use ShardedMixedPrecision for autocast")
+        if precision == "bf16-true" and scaler is not None:
+            raise ValueError("ShardedHalfPrecision('bf16-true') takes no scaler: bf16 has fp32's range, gradients do "
+                             "not overflow; remove scaler=")
+        super().__init__(precision)  # type: ignore[arg-type]
+        self.clip_norm = clip_norm
+        self.scaler = scaler
+        self.keep_fp32_module = keep_fp32_module
+
+    @property
+    def low_dtype(self) -> torch.dtype:
+        """The parameters' dtype (``torch.bfloat16`` or ``torch.float16``)."""
+        return self._desired_input_dtype
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Cast the module to the low dtype, or (``keep_fp32_module``) round it in place."""
+        if not self.keep_fp32_module:
+            return module.to(dtype=self.low_dtype)
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.is_floating_point() and not tensor.is_meta:
+                    tensor.copy_(tensor.to(self.low_dtype))
+        return module
+
+    def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
+        """Make the default ShardedGradScaler for ``"16-true"`` on the model's device."""
+        if self.precision == "16-true" and self.scaler is None:
+            device = next((p.device.type for p in model.parameters()), "cpu")
+            self.scaler = ShardedGradScaler(device=device)
+        return super().connect(model, optimizers, lr_schedulers)
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        """Scale the loss (``"16-true"``)."""
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(  # type: ignore[override]  # Lightning narrows fabric's signature likewise
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any,
+    ) -> Any:
+        """Run the closure (the last micro-batch's forward and backward), unscale
+        (``"16-true"``, on the masters' fp32 gradients), clip, then step (with a scaler,
+        unless any rank saw inf/nan; then update the scale).
+
+        The closure runs here, not inside ``optimizer.step(closure)``: OSS folds the
+        gradients into its masters before calling a closure, which under DDP's ``no_sync``
+        accumulation would take the earlier micro-batches' local, unreduced gradients out of
+        ``param.grad`` before DDP's all-reduce adds them up (Note [true precision means fp32
+        masters])."""
+        closure_result = closure()
+        skip = closure_result is None and model.automatic_optimization  # backward skipped
+        if self.scaler is not None and not skip:
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        if self.scaler is None:
+            optimizer.step(**kwargs)
+            return closure_result
+        result = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return result
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Clip by the norm of the full gradient (a collective: every rank clips)."""
+        self.clip_norm(_unwrap(optimizer), float(clip_val))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (``{}`` for bf16)."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the scaler's state."""
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
 def _sharded_scaler(scaler: torch.amp.GradScaler, device: str) -> ShardedGradScaler:
     """A ShardedGradScaler with the settings of a torch ``GradScaler`` the user configured."""
     if isinstance(scaler, ShardedGradScaler):
@@ -119,6 +240,7 @@ class _ShardedStrategy(DDPStrategy):
     wrapped and how gradients are clipped."""
 
     strategy_name = ""
+    keeps_fp32_module = False  # ZeRO-3: see Note [true precision means fp32 masters]
 
     @property
     def precision_plugin(self) -> Precision:
@@ -132,9 +254,13 @@ class _ShardedStrategy(DDPStrategy):
         self._precision_plugin = None if plugin is None else self._sharded_precision(plugin)
 
     def _sharded_precision(self, plugin: Precision) -> Precision:
-        if isinstance(plugin, (ShardedPrecision, ShardedMixedPrecision)):
+        if isinstance(plugin, (ShardedPrecision, ShardedMixedPrecision, ShardedHalfPrecision)):
             plugin.clip_norm = self.clip_grad_norm
+            if isinstance(plugin, ShardedHalfPrecision):
+                plugin.keep_fp32_module = self.keeps_fp32_module
             return plugin
+        if type(plugin) is HalfPrecision:
+            return ShardedHalfPrecision(plugin.precision, self.clip_grad_norm, keep_fp32_module=self.keeps_fp32_module)
         if type(plugin) is Precision:
             return ShardedPrecision(self.clip_grad_norm)
         if type(plugin) is MixedPrecision:
@@ -142,13 +268,19 @@ class _ShardedStrategy(DDPStrategy):
             return ShardedMixedPrecision(plugin.precision, plugin.device, self.clip_grad_norm, scaler)
         name = getattr(plugin, "precision", type(plugin).__name__)
         raise ValueError(
-            f"strategy {self.strategy_name!r} supports precision '32-true', 'bf16-mixed' and '16-mixed', got "
+            f"strategy {self.strategy_name!r} supports precision '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' "
+            f"and '16-true', got "
             f"{name!r} ({type(plugin).__name__}); pass Trainer(precision=...) with one of those"
         )
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
         """Clip every rank's gradients by the global norm (Note [clipping sharded gradients])."""
         raise NotImplementedError
+
+    def _low_dtype(self) -> torch.dtype | None:
+        """The parameters' dtype under ``"bf16-true"``/``"16-true"``, else ``None``."""
+        plugin = self.precision_plugin
+        return plugin.low_dtype if isinstance(plugin, ShardedHalfPrecision) else None
 
     def _wrapped(self) -> ShardedDataParallel | FullyShardedDataParallel | None:
         model = self.model
@@ -192,11 +324,18 @@ class _OSSStrategy(_ShardedStrategy):
             if not any(g["params"] for g in optimizer.param_groups):  # configure_optimizers returned None
                 converted.append(optimizer)
                 continue
-            oss = to_oss(optimizer, **self.oss_kwargs)
+            oss = to_oss(optimizer, **self._oss_options())
             for config in self.lr_scheduler_configs:
                 rebind_scheduler(config.scheduler, optimizer, oss)
             converted.append(oss)
         self.optimizers = converted
+
+    def _oss_options(self) -> dict[str, Any]:
+        """``oss_kwargs``, with fp32 masters under ``"bf16-true"``/``"16-true"`` unless given
+        (Note [true precision means fp32 masters])."""
+        if self._low_dtype() is None:
+            return self.oss_kwargs
+        return {"master_dtype": torch.float32, **self.oss_kwargs}
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
         """``OSS.clip_grad_norm``: exactly torch's norm of the full gradients.
@@ -302,6 +441,7 @@ class ZeRO3Strategy(_ShardedStrategy):
     """
 
     strategy_name = "shardopt_zero3"
+    keeps_fp32_module = True
 
     def __init__(self, fsdp_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -312,7 +452,16 @@ class ZeRO3Strategy(_ShardedStrategy):
     def configure_ddp(self) -> None:
         """Wrap the LightningModule in FullyShardedDataParallel."""
         assert self.model is not None
-        self.model = FullyShardedDataParallel(self.model, **self.fsdp_kwargs)
+        self.model = FullyShardedDataParallel(self.model, **self._fsdp_options())
+
+    def _fsdp_options(self) -> dict[str, Any]:
+        """``fsdp_kwargs``, with units gathered and reduced in the low dtype under
+        ``"bf16-true"``/``"16-true"`` unless given (Note [true precision means fp32 masters])."""
+        low = self._low_dtype()
+        if low is None:
+            return self.fsdp_kwargs
+        policy = FSDPMixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low)
+        return {"mixed_precision": policy, **self.fsdp_kwargs}
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         """Build the user's optimizers on the sharded parameters.
@@ -408,7 +557,10 @@ class ZeRO3Strategy(_ShardedStrategy):
         if root is not None and self._failed:
             logger.warning("%s: fit failed; the LightningModule keeps its sharded parameters", self.strategy_name)
         elif root is not None:
-            release(root)
+            plain = release(root)
+            low = self._low_dtype()
+            if low is not None:  # the module the user asked for: low-precision weights
+                plain.to(dtype=low)
             self.model = self.lightning_module
         super().teardown()
 
