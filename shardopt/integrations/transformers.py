@@ -24,6 +24,19 @@ What changes against a plain ``Trainer`` (everything else is the Trainer's own):
   wrapper's ``forward(*inputs, **kwargs)``;
 * after ``train()`` the model is plain again (stage 3 gathers its full parameters).
 
+Note [low-precision parameters with fp32 masters]
+``TrainingArguments(bf16=True)`` keeps the Trainer's meaning here: autocast over the
+model's parameters (fp32 parameters, 4 + 12/N bytes per parameter with AdamW at stage 2),
+so a ShardedTrainer stays a drop-in ``Trainer`` and trains exactly like it. DeepSpeed's
+bf16 (bf16 parameters, fp32 masters, 2 + 14/N) is ``Sharding(param_dtype=torch.bfloat16)``:
+stages 1 and 2 cast the model to bf16 and build the OSS with ``master_dtype=torch.float32``
+(the owner keeps the master, the moments and the fp32 gradient); stage 3 rounds the weights
+to bf16 but keeps them fp32 and wraps with ``MixedPrecision(param_dtype=bf16,
+reduce_dtype=bf16, buffer_dtype=bf16)``, so its fp32 flat shards are the masters. fp16
+parameters also need ``fp16=True``: Accelerate's loss scaling, with a ShardedGradScaler that
+unscales the masters' fp32 gradients. After ``train()`` the model holds the low-precision
+weights. Tables: docs/integrations-precision.md.
+
 Note [Accelerate reads the optimizer's state dict]
 ``accelerator.prepare(optimizer)`` wraps it in an ``AcceleratedOptimizer`` that calls
 ``optimizer.state_dict()`` at once (to move the state to the device) and loads it back.
@@ -49,7 +62,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from shardopt import comm
 from shardopt.integrations.convert import rebind_scheduler, release, to_oss
-from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
+from shardopt.nn import FullyShardedDataParallel, MixedPrecision, ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 
 __all__ = ["ShardedTrainer", "ShardedTrainerMixin", "Sharding", "clip_in_module_order"]
@@ -66,18 +79,35 @@ class Sharding:
         oss_kwargs: extra :class:`~shardopt.optim.OSS` arguments (stages 1, 2).
         wrapper_kwargs: extra ShardedDataParallel (stage 2) or FullyShardedDataParallel
             (stage 3) arguments, e.g. ``{"auto_wrap_policy": ModuleClassPolicy((Block,))}``.
+        param_dtype: train with parameters in this dtype (``torch.bfloat16``,
+            ``torch.float16``) and fp32 master weights on their owner, as DeepSpeed's bf16
+            does (Note [low-precision parameters with fp32 masters]); ``None``: the
+            model's own dtype. ``float16`` needs ``TrainingArguments(fp16=True)`` for loss
+            scaling.
+        master_dtype: the masters' dtype with ``param_dtype`` (default ``torch.float32``).
 
     Raises:
-        ValueError: ``stage`` is not 1, 2 or 3, or wrapper options for stage 1.
+        ValueError: ``stage`` is not 1, 2 or 3, wrapper options for stage 1, a
+            ``param_dtype`` that is not bf16/fp16, or ``master_dtype`` without it.
     """
 
     stage: int = 2
     oss_kwargs: Mapping[str, Any] = field(default_factory=dict)
     wrapper_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    param_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"Sharding(stage={self.stage!r}): stage must be 1, 2 or 3")
+        if self.param_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"Sharding(param_dtype={self.param_dtype!r}): param_dtype must be torch.bfloat16, "
+                             "torch.float16 or None (train in the model's own dtype)")
+        if self.master_dtype is not None and self.param_dtype is None:
+            raise ValueError(f"Sharding(master_dtype={self.master_dtype!r}) keeps masters of low-precision "
+                             "parameters: also pass param_dtype=torch.bfloat16 (or torch.float16)")
+        if self.param_dtype is not None and self.master_dtype is None:
+            object.__setattr__(self, "master_dtype", torch.float32)
         if self.stage == 1 and self.wrapper_kwargs:
             raise ValueError("Sharding(stage=1) uses Accelerate's DDP; wrapper_kwargs are for stages 2 and 3")
         if self.stage == 3 and self.oss_kwargs:
@@ -120,12 +150,18 @@ class ShardedTrainerMixin(_Base):
         self.sharding = sharding or Sharding()
         self._root: FullyShardedDataParallel | None = None
         self._wrapper: nn.Module | None = None
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, nn.Module) and self.sharding.param_dtype is not None:
+            _to_low_precision(model, self.sharding.param_dtype, keep_fp32=self.sharding.stage == 3)
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
                 "ShardedTrainer shards with shardopt; remove deepspeed=/fsdp= from TrainingArguments "
                 "(choose the stage with sharding=Sharding(stage=...))"
             )
+        if self.sharding.param_dtype == torch.float16 and not self.args.fp16:
+            raise ValueError("Sharding(param_dtype=torch.float16) needs loss scaling: pass "
+                             "TrainingArguments(fp16=True) (or use param_dtype=torch.bfloat16)")
 
     # ------------------------------------------------------------------ setup
     def create_accelerator_and_postprocess(self) -> None:
@@ -146,7 +182,11 @@ class ShardedTrainerMixin(_Base):
 
     def _fsdp_root(self) -> FullyShardedDataParallel:
         if self._root is None:
-            self._root = FullyShardedDataParallel(self._plain_model(), **self.sharding.wrapper_kwargs)
+            options = dict(self.sharding.wrapper_kwargs)
+            low = self.sharding.param_dtype
+            if low is not None:  # Note [low-precision parameters with fp32 masters]
+                options.setdefault("mixed_precision", MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low))
+            self._root = FullyShardedDataParallel(self._plain_model(), **options)
         return self._root
 
     def _oss(self) -> OSS:
@@ -175,7 +215,10 @@ class ShardedTrainerMixin(_Base):
             return optimizer
         optimizer = _inner_optimizer(super().create_optimizer(model))
         if not isinstance(optimizer, OSS):
-            oss = to_oss(optimizer, **self.sharding.oss_kwargs)
+            options = dict(self.sharding.oss_kwargs)
+            if self.sharding.master_dtype is not None:
+                options.setdefault("master_dtype", self.sharding.master_dtype)
+            oss = to_oss(optimizer, **options)
             if self.lr_scheduler is not None:
                 rebind_scheduler(self.lr_scheduler, optimizer, oss)
             self.optimizer = optimizer = oss
@@ -208,15 +251,16 @@ class ShardedTrainerMixin(_Base):
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """Clip by the global norm of the full gradients; returns it (what is logged).
 
-        Stage 1 holds full gradients after DDP, so the Trainer's own clipping is right.
+        Stage 1 holds full gradients after DDP, so the Trainer's own clipping is right,
+        unless fp32 masters hold the owners' gradients.
         """
-        if self.sharding.stage == 1:
+        if self.sharding.stage == 1 and self.sharding.master_dtype is None:
             return super()._clip_grad_norm(model)
         return self._global_norm(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         """The global gradient norm (computed without clipping when none was clipped)."""
-        if self.sharding.stage == 1 or grad_norm is not None:
+        if (self.sharding.stage == 1 and self.sharding.master_dtype is None) or grad_norm is not None:
             return super()._get_grad_norm(model, grad_norm)
         return self._global_norm(float("inf"))
 
@@ -277,10 +321,24 @@ class ShardedTrainerMixin(_Base):
         if isinstance(self._wrapper, ShardedDataParallel):
             self._wrapper.close()
         if self._root is not None:
-            release(self._root)
+            plain = release(self._root)
+            if self.sharding.param_dtype is not None:  # Note [low-precision parameters with fp32 masters]
+                plain.to(dtype=self.sharding.param_dtype)
             self.optimizer, self.lr_scheduler = None, None
         self._root = self._wrapper = None
         self.model_wrapped = self._plain_model()
+
+
+def _to_low_precision(model: nn.Module, dtype: torch.dtype, keep_fp32: bool) -> None:
+    """Cast ``model``'s floating parameters and buffers to ``dtype``, or (``keep_fp32``,
+    stage 3) round them to ``dtype`` in place and keep their dtype."""
+    if not keep_fp32:
+        model.to(dtype=dtype)
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point() and not tensor.is_meta:
+                tensor.copy_(tensor.to(dtype))
 
 
 def clip_in_module_order(oss: OSS, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -290,8 +348,9 @@ def clip_in_module_order(oss: OSS, params: list[nn.Parameter], max_norm: float) 
     stacks the per-tensor norms in module order; ``OSS.clip_grad_norm`` stacks them in the
     optimizer's order (the Trainer's decay group first), which can change the last bit of
     the total. How it works: each owner takes the norm of each gradient it holds (torch's
-    per-tensor kernel), one all-reduce gathers them into a vector in ``params``' order,
-    every rank takes the same norm of that vector and scales the gradients it owns.
+    per-tensor kernel; with masters, the master's fp32 gradient, folded in first), one
+    all-reduce gathers them into a vector in ``params``' order, every rank takes the same
+    norm of that vector and scales the gradients it owns.
 
     Args:
         oss: the optimizer over the parameters (decides who owns which gradient).
@@ -303,7 +362,11 @@ def clip_in_module_order(oss: OSS, params: list[nn.Parameter], max_norm: float) 
     """
     index = {p: i for i, p in enumerate(oss.params)}
     counted = [p for p in params if p in index]
-    mine = [(j, p.grad) for j, p in enumerate(counted) if p.grad is not None and oss.owns(index[p])]
+    if oss.master_dtype is not None:
+        oss.collect_master_grads()
+    owned = [(j, p, oss.master_of(p)) for j, p in enumerate(counted) if oss.owns(index[p])]
+    held = [(j, p if master is None else master) for j, p, master in owned]
+    mine = [(j, t.grad) for j, t in held if t.grad is not None]
     device = counted[0].device if counted else torch.device("cpu")
     exchange = torch.zeros(2 * len(counted), dtype=torch.float32, device=device)
     by_kind: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
