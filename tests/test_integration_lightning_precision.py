@@ -19,12 +19,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 L = pytest.importorskip("lightning.pytorch")
 
-from shardopt.integrations.lightning import ShardedHalfPrecision, ZeRO3Strategy  # noqa: E402
-from shardopt.nn.fsdp import ModuleClassPolicy  # noqa: E402
-from shardopt.optim import OSS, ShardedGradScaler  # noqa: E402
-from shardopt.testing import run_ranks  # noqa: E402
-from tests.helpers.data import max_abs_diff  # noqa: E402
-from tests.helpers.masters import max_ulps  # noqa: E402
+from shardopt.integrations.lightning import ShardedHalfPrecision, ZeRO3Strategy
+from shardopt.nn.fsdp import ModuleClassPolicy
+from shardopt.optim import OSS, ShardedGradScaler
+from shardopt.testing import run_ranks
+from tests.helpers.data import max_abs_diff
+from tests.helpers.masters import max_ulps
+from tests.helpers.state_bytes import held_bytes
 
 pytestmark = pytest.mark.distributed
 
@@ -68,27 +69,6 @@ class MasterReference(Tiny):
                   lr=1e-2, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def _storage_bytes(tensors: list[Any]) -> int:
-    """Bytes of the distinct live storages behind ``tensors`` (``None`` and freed skipped)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def held_bytes(model: nn.Module, optimizer: Any) -> int:
-    """What this rank holds of model state: parameters and their gradients, the optimizer's
-    stepped tensors (masters or flat shards) with their gradients, and its state."""
-    inner = optimizer.optim if isinstance(optimizer, OSS) else optimizer
-    tensors: list[Any] = []
-    for p in [*model.parameters(), *(q for g in inner.param_groups for q in g["params"])]:
-        tensors += [p, p.grad]
-    for state in inner.state.values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return _storage_bytes(tensors)
 
 
 class _Measure(L.Callback):

@@ -17,15 +17,19 @@ from torch import nn
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
-from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers import Trainer, TrainerCallback
 
-from shardopt.integrations.convert import to_oss  # noqa: E402
-from shardopt.integrations.transformers import ShardedTrainer, Sharding, _inner_optimizer  # noqa: E402
-from shardopt.optim import OSS  # noqa: E402
-from shardopt.testing import run_ranks  # noqa: E402
-from tests.helpers.data import max_abs_diff  # noqa: E402
-from tests.test_integration_lightning_precision import held_bytes  # noqa: E402
-from tests.test_integration_transformers import STAGES, _args, _env, _gpt, _Tokens  # noqa: E402
+from shardopt.integrations.convert import to_oss
+from shardopt.integrations.transformers import (
+    ShardedTrainer,
+    Sharding,
+    _inner_optimizer,
+)
+from shardopt.optim import OSS
+from shardopt.testing import run_ranks
+from tests.helpers.data import max_abs_diff
+from tests.helpers.state_bytes import held_bytes
+from tests.test_integration_transformers import STAGES, _args, _env, _gpt, _Tokens
 
 pytestmark = pytest.mark.distributed
 
@@ -87,7 +91,7 @@ def _precision(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         out[f"{clip}/ddp/bytes"] = ref_bytes
         for stage, base in STAGES.items():
             sharding = Sharding(stage=base.stage, wrapper_kwargs=base.wrapper_kwargs, param_dtype=torch.bfloat16)
-            model, trainer, per_param = _train(sharding, os.path.join(tmp, stage), max_grad_norm=clip)
+            model, _trainer, per_param = _train(sharding, os.path.join(tmp, stage), max_grad_norm=clip)
             key = f"{clip}/{stage}"
             out[key] = max_abs_diff(model.parameters(), ref.parameters())
             out[f"{key}/bytes"] = per_param
