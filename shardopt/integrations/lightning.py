@@ -64,6 +64,12 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
+from shardopt.integrations.checkpoints import (
+    CheckpointKind,
+    load_trainer_checkpoint,
+    parse_checkpoint_kind,
+    save_trainer_checkpoint,
+)
 from shardopt.integrations.convert import rebind_scheduler, release, to_oss
 from shardopt.integrations.lightning_precision import (
     ShardedHalfPrecision,
@@ -85,8 +91,23 @@ logger = logging.getLogger(__name__)
 
 class _ShardedStrategy(DDPStrategy):
     """What the three strategies share: their precision plugins, ``no_sync`` for
-    accumulation and a plain module after teardown. Subclasses define how a model is
-    wrapped and how gradients are clipped."""
+    accumulation, full or sharded checkpoints and a plain module after teardown.
+    Subclasses define how a model is wrapped and how gradients are clipped.
+
+    Args:
+        checkpoint: ``"full"`` (one file: the full model and the plain optimizer state,
+            gathered on rank 0) or ``"sharded"`` (a folder every rank writes its part to,
+            loadable at any world size; Note [sharded trainer checkpoints] in
+            :mod:`shardopt.integrations.checkpoints`).
+        **kwargs: Lightning ``DDPStrategy`` arguments.
+
+    Raises:
+        ValueError: ``checkpoint`` is neither.
+    """
+
+    def __init__(self, checkpoint: str = "full", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.checkpoint = parse_checkpoint_kind(checkpoint, type(self).__name__)
 
     strategy_name = ""
     keeps_fp32_module = False  # ZeRO-3: see Note [true precision means fp32 masters]
@@ -152,6 +173,63 @@ class _ShardedStrategy(DDPStrategy):
             )
 
 
+    # ------------------------------------------------------------------ sharded checkpoints
+    def _sharded(self) -> bool:
+        return self.checkpoint is CheckpointKind.SHARDED
+
+    def _checkpoint_model(self) -> torch.nn.Module:
+        """What ``save_sharded`` takes: the module under the OSS (ZeRO-3: the root)."""
+        return self.lightning_module
+
+    def _param_shapes(self) -> dict[str, torch.Size]:
+        return {name: p.shape for name, p in self.lightning_module.named_parameters()}
+
+    def _only_optimizer(self) -> Optimizer | None:
+        optimizers = [unwrap_optimizer(o) for o in self.optimizers]
+        if len(optimizers) > 1:
+            raise ValueError(f"{self.strategy_name!r} with checkpoint='sharded' saves one optimizer, got "
+                             f"{len(optimizers)}; return one optimizer from configure_optimizers or use "
+                             "checkpoint='full'")
+        return optimizers[0] if optimizers else None
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Sharded checkpoints load into the wrapped model and the built optimizer."""
+        return self._sharded()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Full: rank 0 writes the file Lightning built. Sharded: every rank writes its
+        part of the folder ``filepath`` (a collective), the trainer's state included."""
+        if not self._sharded():
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_trainer_checkpoint(str(filepath), self._checkpoint_model(), self._only_optimizer(), state,
+                                self._param_shapes())
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Sharded: load the folder into the model and the optimizer (at any world size; a
+        collective) and hand Lightning the trainer's state."""
+        if not self._sharded():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = load_trainer_checkpoint(str(checkpoint_path), self._checkpoint_model(), self._only_optimizer())
+        return {**state, "state_dict": {}, "optimizer_states": [{} for _ in self.optimizers]}
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded: nothing (``save_checkpoint`` writes the shards); full: Lightning's."""
+        return {} if self._sharded() else super().lightning_module_state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Sharded: already loaded by :meth:`load_checkpoint`; full: Lightning's."""
+        if not self._sharded():
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Sharded: already loaded by :meth:`load_checkpoint`; full: Lightning's."""
+        if not self._sharded():
+            super().load_optimizer_state_dict(checkpoint)
+
+
 class _OSSStrategy(_ShardedStrategy):
     """ZeRO-1/2: rebuild the optimizers of ``configure_optimizers`` as OSS."""
 
@@ -199,8 +277,11 @@ class _OSSStrategy(_ShardedStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The plain ``torch.optim`` state dict, consolidated on global rank 0 (a collective;
-        other ranks return ``{}``: only rank 0 writes the checkpoint)."""
+        other ranks return ``{}``: only rank 0 writes the checkpoint). Sharded: ``{}`` (the
+        folder holds the state)."""
         optimizer = unwrap_optimizer(optimizer)
+        if self._sharded():
+            return {}
         if not isinstance(optimizer, OSS):
             return super().optimizer_state(optimizer)
         optimizer.consolidate_state_dict(recipient_rank=0)
@@ -297,11 +378,23 @@ class ZeRO3Strategy(_ShardedStrategy):
         self._require_empty_ddp_kwargs("FSDP")
         self.fsdp_kwargs = dict(fsdp_kwargs or {})
         self._failed = False
+        self._shapes: dict[str, torch.Size] = {}
 
     def configure_ddp(self) -> None:
         """Wrap the LightningModule in FullyShardedDataParallel."""
         assert self.model is not None
+        self._shapes = {name: p.shape for name, p in self.model.named_parameters()}
         self.model = FullyShardedDataParallel(self.model, **self._fsdp_options())
+
+    def _checkpoint_model(self) -> torch.nn.Module:
+        root = self._root()
+        if root is None:
+            raise RuntimeError(f"{self.strategy_name!r} with checkpoint='sharded' saves the shards of the wrapped "
+                               "model, which exist only during fit; save during fit (ModelCheckpoint)")
+        return root
+
+    def _param_shapes(self) -> dict[str, torch.Size]:
+        return dict(self._shapes)
 
     def _fsdp_options(self) -> dict[str, Any]:
         """``fsdp_kwargs``, with units gathered and reduced in the low dtype under
@@ -356,9 +449,11 @@ class ZeRO3Strategy(_ShardedStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full state dict with the LightningModule's own names (gathered on rank 0;
-        a collective)."""
+        a collective); nothing when sharded."""
         root = self._root()
-        return root.state_dict(rank0_only=True) if root is not None else super().lightning_module_state_dict()
+        if root is None or self._sharded():
+            return super().lightning_module_state_dict()
+        return root.state_dict(rank0_only=True)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The full, name-keyed optimizer state on rank 0 (a collective; ``{}`` elsewhere).
@@ -367,6 +462,8 @@ class ZeRO3Strategy(_ShardedStrategy):
             RuntimeError: the model is not wrapped (saving optimizer state after ``fit``).
         """
         root = self._root()
+        if self._sharded() and root is not None:
+            return {}
         if root is None:
             raise RuntimeError(
                 f"{self.strategy_name!r}: the optimizer state lives in the shards of the wrapped model, which "
@@ -378,13 +475,15 @@ class ZeRO3Strategy(_ShardedStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the full state dict into the shards (every rank reads the checkpoint)."""
         root = self._root()
-        if root is None:
+        if root is None or self._sharded():
             super().load_model_state_dict(checkpoint, strict=strict)
             return
         root.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Reshard each full optimizer state onto this rank's slices and load it."""
+        if self._sharded():
+            return
         root = self._root()
         assert root is not None, "optimizers are restored only while fitting, after the model is wrapped"
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
