@@ -177,7 +177,37 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--optimizer-bytes", type=_non_negative_float, default=None,
                      help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
     est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
+    _add_convert(sub)
     return parser
+
+
+# ---------------------------------------------------------------------- convert
+def _add_convert(sub: Any) -> None:
+    convert = sub.add_parser("convert", help="turn a sharded checkpoint folder into one file",
+                             description="Read a folder written with checkpoint='sharded' (or save_sharded) in one "
+                                         "process and write OUT: *.safetensors (the weights; name it "
+                                         "model.safetensors next to config.json for from_pretrained), *.bin (the "
+                                         "weights, torch.save) or any other name (weights, optimizer entries and "
+                                         "extra, torch.save).")
+    convert.add_argument("dir", metavar="DIR", help="the sharded checkpoint folder")
+    convert.add_argument("out", metavar="OUT", help="the file to write")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from shardopt.integrations.checkpoints import (
+        convert_sharded,  # torch.distributed.checkpoint: only here
+    )
+
+    if not os.path.isdir(args.dir):
+        _fail("convert", f"DIR {args.dir!r} is not a folder; pass the folder a sharded save wrote")
+    _check_writable("convert", "OUT", args.out, folder=False, why="the converted checkpoint is written there")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    try:
+        names = convert_sharded(args.dir, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail("convert", str(exc))
+    print(f"wrote {len(names)} tensors to {args.out}")
+    return 0
 
 
 def _fail(command: str, message: str) -> NoReturn:
@@ -447,5 +477,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         on stderr; Ctrl-C ends every rank and exits 130.
     """
     args = build_parser().parse_args(argv)
-    handlers = {"demo": _demo, "bench": _bench, "estimate": _estimate}
+    handlers = {"demo": _demo, "bench": _bench, "estimate": _estimate, "convert": _convert}
     return handlers[args.command](args)

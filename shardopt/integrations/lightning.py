@@ -179,10 +179,12 @@ class _ShardedStrategy(DDPStrategy):
 
     def _checkpoint_model(self) -> torch.nn.Module:
         """What ``save_sharded`` takes: the module under the OSS (ZeRO-3: the root)."""
-        return self.lightning_module
+        module = self.lightning_module
+        assert module is not None, "checkpoints are saved and loaded while fitting, with a LightningModule"
+        return module
 
     def _param_shapes(self) -> dict[str, torch.Size]:
-        return {name: p.shape for name, p in self.lightning_module.named_parameters()}
+        return {name: p.shape for name, p in self._checkpoint_model().named_parameters()}
 
     def _only_optimizer(self) -> Optimizer | None:
         optimizers = [unwrap_optimizer(o) for o in self.optimizers]

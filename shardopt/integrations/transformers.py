@@ -61,11 +61,19 @@ from transformers import Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from shardopt import comm
+from shardopt.integrations.checkpoints import (
+    CheckpointKind,
+    load_trainer_checkpoint,
+    parse_checkpoint_kind,
+    save_trainer_checkpoint,
+)
 from shardopt.integrations.convert import rebind_scheduler, release, to_oss
 from shardopt.nn import FullyShardedDataParallel, MixedPrecision, ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 
-__all__ = ["ShardedTrainer", "ShardedTrainerMixin", "Sharding", "clip_in_module_order"]
+__all__ = ["SHARDED_CHECKPOINT_DIR", "ShardedTrainer", "ShardedTrainerMixin", "Sharding", "clip_in_module_order"]
+
+SHARDED_CHECKPOINT_DIR = "shardopt_sharded"  # inside each checkpoint-N folder with checkpoint="sharded"
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +93,16 @@ class Sharding:
             model's own dtype. ``float16`` needs ``TrainingArguments(fp16=True)`` for loss
             scaling.
         master_dtype: the masters' dtype with ``param_dtype`` (default ``torch.float32``).
+        checkpoint: ``"full"`` (checkpoints hold the full model and the plain optimizer
+            state, gathered on rank 0) or ``"sharded"`` (every rank writes its part of a
+            ``shardopt_sharded`` folder inside each checkpoint, loadable at any world size;
+            ``shardopt convert`` turns it into ``model.safetensors``; Note [sharded trainer
+            checkpoints] in :mod:`shardopt.integrations.checkpoints`).
 
     Raises:
         ValueError: ``stage`` is not 1, 2 or 3, wrapper options for stage 1, a
-            ``param_dtype`` that is not bf16/fp16, or ``master_dtype`` without it.
+            ``param_dtype`` that is not bf16/fp16, ``master_dtype`` without it, or another
+            ``checkpoint``.
     """
 
     stage: int = 2
@@ -96,8 +110,10 @@ class Sharding:
     wrapper_kwargs: Mapping[str, Any] = field(default_factory=dict)
     param_dtype: torch.dtype | None = None
     master_dtype: torch.dtype | None = None
+    checkpoint: CheckpointKind | str = CheckpointKind.FULL
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "checkpoint", parse_checkpoint_kind(self.checkpoint, "Sharding"))
         if self.stage not in (1, 2, 3):
             raise ValueError(f"Sharding(stage={self.stage!r}): stage must be 1, 2 or 3")
         if self.param_dtype not in (None, torch.bfloat16, torch.float16):
@@ -150,6 +166,7 @@ class ShardedTrainerMixin(_Base):
         self.sharding = sharding or Sharding()
         self._root: FullyShardedDataParallel | None = None
         self._wrapper: nn.Module | None = None
+        self._shapes: dict[str, torch.Size] = {}
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module) and self.sharding.param_dtype is not None:
             _to_low_precision(model, self.sharding.param_dtype, keep_fp32=self.sharding.stage == 3)
@@ -159,6 +176,9 @@ class ShardedTrainerMixin(_Base):
                 "ShardedTrainer shards with shardopt; remove deepspeed=/fsdp= from TrainingArguments "
                 "(choose the stage with sharding=Sharding(stage=...))"
             )
+        if self.sharding.checkpoint is CheckpointKind.SHARDED and self.args.save_only_model:
+            raise ValueError("Sharding(checkpoint='sharded') writes the weights with the optimizer's shards; "
+                             "save_only_model=True would write neither: use checkpoint='full' with it")
         if self.sharding.param_dtype == torch.float16 and not self.args.fp16:
             raise ValueError("Sharding(param_dtype=torch.float16) needs loss scaling: pass "
                              "TrainingArguments(fp16=True) (or use param_dtype=torch.bfloat16)")
@@ -186,6 +206,7 @@ class ShardedTrainerMixin(_Base):
             low = self.sharding.param_dtype
             if low is not None:  # Note [low-precision parameters with fp32 masters]
                 options.setdefault("mixed_precision", MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low))
+            self._shapes = {name: p.shape for name, p in self._plain_model().named_parameters()}
             self._root = FullyShardedDataParallel(self._plain_model(), **options)
         return self._root
 
@@ -277,9 +298,34 @@ class ShardedTrainerMixin(_Base):
             state_dict = self._root.state_dict(rank0_only=True)
         super()._save(output_dir, state_dict=state_dict)
 
+    def _sharded_target(self) -> tuple[nn.Module, Optimizer, dict[str, torch.Size]]:
+        if self._root is not None:
+            return self._root, _inner_optimizer(self.optimizer), dict(self._shapes)
+        plain = self._plain_model()
+        return plain, self._oss(), {name: p.shape for name, p in plain.named_parameters()}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; with ``checkpoint="sharded"`` a checkpoint's weights are
+        written with the optimizer's shards instead (only the model's config here), so no
+        rank gathers the full model."""
+        if self.sharding.checkpoint is not CheckpointKind.SHARDED or not _internal_call:
+            super().save_model(output_dir, _internal_call)
+            return
+        config = getattr(self._plain_model(), "config", None)
+        if self.args.should_save and output_dir is not None and config is not None:
+            os.makedirs(output_dir, exist_ok=True)
+            config.save_pretrained(output_dir)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Write a plain optimizer state: OSS consolidated on rank 0; stage 3 the full,
-        name-keyed state (``FullyShardedDataParallel.full_optim_state_dict``)."""
+        name-keyed state (``FullyShardedDataParallel.full_optim_state_dict``). Sharded:
+        every rank writes its part of ``SHARDED_CHECKPOINT_DIR`` (weights included)."""
+        if self.sharding.checkpoint is CheckpointKind.SHARDED:
+            model, optimizer, shapes = self._sharded_target()
+            save_trainer_checkpoint(os.path.join(output_dir, SHARDED_CHECKPOINT_DIR), model, optimizer, {}, shapes)
+            if self.args.should_save and self.lr_scheduler is not None:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            return
         if self._root is None:
             self._oss().consolidate_state_dict(recipient_rank=0)
             super()._save_optimizer_and_scheduler(output_dir)
@@ -290,7 +336,14 @@ class ShardedTrainerMixin(_Base):
             torch.save(full, os.path.join(output_dir, OPTIMIZER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Stage 3: reshard the full optimizer state onto this rank's slices."""
+        """Stage 3: reshard the full optimizer state onto this rank's slices. Sharded: load
+        the weights and the optimizer from the folder (at any world size)."""
+        if checkpoint is not None and os.path.isdir(os.path.join(checkpoint, SHARDED_CHECKPOINT_DIR)):
+            model, optimizer, _ = self._sharded_target()
+            load_trainer_checkpoint(os.path.join(checkpoint, SHARDED_CHECKPOINT_DIR), model, optimizer)
+            assert self.lr_scheduler is not None, "the Trainer builds its scheduler before loading a checkpoint"
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            return
         if self._root is None or checkpoint is None:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
@@ -301,7 +354,10 @@ class ShardedTrainerMixin(_Base):
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Stage 3 after training: load the full weights through ``summon_full_params``."""
+        """Stage 3 after training: load the full weights through ``summon_full_params``. A
+        sharded checkpoint's weights are loaded with its optimizer state instead."""
+        if os.path.isdir(os.path.join(resume_from_checkpoint, SHARDED_CHECKPOINT_DIR)):
+            return
         if self._root is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
