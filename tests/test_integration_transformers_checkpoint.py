@@ -32,6 +32,7 @@ from tests.test_integration_transformers import (
     _env,
     _gpt,
     _params,
+    _Tokens,
     _train,
 )
 
@@ -115,3 +116,34 @@ def test_sharded_checkpoints_refuse_save_only_model_and_convert_refuses_a_file(t
     with pytest.raises(SystemExit):
         shardopt_main(["convert", str(tmp_path), str(tmp_path / "out.safetensors")])
     assert "no sharded checkpoint at" in capsys.readouterr().err
+
+
+def _best(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    _env(rank, world_size)
+    out: dict[str, Any] = {}
+    for stage in STAGES:
+        for kind in ("full", "sharded"):
+            folder = os.path.join(tmp, f"best-{stage}-{kind}")
+            model = _gpt()
+            args = _args(folder, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                         load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+                         per_device_eval_batch_size=2)
+            trainer = ShardedTrainer(model=model, args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(8),
+                                     sharding=_sharding(stage, kind))
+            trainer.train()
+            out[f"{stage}/{kind}"] = _params(model)
+            out[f"{stage}/{kind}/best"] = trainer.state.best_model_checkpoint
+    return out
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint_at_every_stage() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (out, _) = run_ranks(_best, 2, tmp, timeout_s=300)
+        best_weights = {stage: _params(GPT2LMHeadModel.from_pretrained(out[f"{stage}/full/best"]))
+                        for stage in STAGES}
+    for stage in STAGES:
+        # greater_is_better=True on the eval loss, which falls: the best is the first checkpoint,
+        # so loading it is visible (the final weights differ from it).
+        assert out[f"{stage}/full/best"].endswith("checkpoint-1"), out
+        assert max_abs_diff(out[f"{stage}/full"], best_weights[stage]) == 0.0, stage
+        assert max_abs_diff(out[f"{stage}/sharded"], best_weights[stage]) == 0.0, stage

@@ -61,6 +61,7 @@ from transformers import Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from shardopt import comm
+from shardopt.checkpoint import load_sharded
 from shardopt.integrations.checkpoints import (
     CheckpointKind,
     load_trainer_checkpoint,
@@ -363,6 +364,24 @@ class ShardedTrainerMixin(_Base):
             return
         with self._root.summon_full_params(writeback=True):
             super()._load_from_checkpoint(resume_from_checkpoint, self.model)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: load the best checkpoint's weights into the sharded
+        model (a collective). transformers has no public hook for this step (it runs inside
+        ``train()``, before ``on_train_end`` and before the model is plain again), so it is
+        overridden like ``_load_from_checkpoint``: stage 3 loads through
+        ``summon_full_params``; a sharded checkpoint loads with ``load_sharded`` (weights
+        only; OSS masters then follow the loaded weights)."""
+        best = self.state.best_model_checkpoint
+        assert best is not None, "the Trainer loads the best model only once it has one"
+        folder = os.path.join(best, SHARDED_CHECKPOINT_DIR)
+        if os.path.isdir(folder):
+            load_sharded(folder, self._sharded_target()[0], None)
+        elif self._root is None:
+            super()._load_best_model()
+        else:
+            with self._root.summon_full_params(writeback=True):
+                super()._load_best_model()
 
     # ------------------------------------------------------------------ teardown
     def train(self, *args: Any, **kwargs: Any) -> Any:
