@@ -53,6 +53,7 @@ elementwise and stays Lightning's.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Generator, Mapping
 from typing import Any
@@ -62,6 +63,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from shardopt.integrations.checkpoints import (
@@ -165,9 +167,14 @@ class _ShardedStrategy(DDPStrategy):
             yield None
 
     def _require_empty_ddp_kwargs(self, wrapper: str) -> None:
-        if self._ddp_kwargs:
+        # LightningCLI (jsonargparse) fills in every DDP argument the **kwargs reach, at its
+        # default: those change nothing and are dropped; a value set by the user is refused.
+        defaults = {name: p.default for name, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()}
+        set_by_user = {k: v for k, v in self._ddp_kwargs.items() if k not in defaults or v != defaults[k]}
+        self._ddp_kwargs = set_by_user
+        if set_by_user:
             raise TypeError(
-                f"{type(self).__name__} got unexpected arguments {sorted(self._ddp_kwargs)}: they would go to "
+                f"{type(self).__name__} got unexpected arguments {sorted(set_by_user)}: they would go to "
                 f"DistributedDataParallel, which this strategy does not use; pass {wrapper} arguments as "
                 f"{wrapper.lower()}_kwargs={{...}}"
             )
