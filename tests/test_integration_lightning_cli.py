@@ -56,6 +56,7 @@ def test_yaml_names_a_strategy_by_class_path_without_importing_shardopt(tmp_path
     with open(script, "w") as f:
         f.write(SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
-    done = subprocess.run([sys.executable, script, config], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run([sys.executable, script, config], capture_output=True, text=True, timeout=120, env=env,
+                          check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ZeRO2Strategy sharded {'reduce_buffer_size': 0}", done.stdout
