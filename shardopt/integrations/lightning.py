@@ -373,18 +373,39 @@ class ZeRO3Strategy(_ShardedStrategy):
     Args:
         fsdp_kwargs: :class:`~shardopt.nn.FullyShardedDataParallel` arguments
             (``auto_wrap_policy``, ``sharding_strategy``, ``mixed_precision``, ...).
+        init_on_meta: build the modules ``configure_model`` creates on the meta device;
+            each unit is then materialised on its own when it is wrapped (``param_init_fn``
+            in ``fsdp_kwargs``, else each submodule's ``reset_parameters()``) and sharded
+            before the next, so no rank holds the whole model (Note [ZeRO-3 without the
+            full model]).
+        gather_on_teardown: after ``fit``, gather the full parameters into the plain
+            module on every rank (default). ``False`` leaves the module wrapped and
+            sharded (save with ``checkpoint="sharded"`` and ``shardopt convert``).
         **kwargs: Lightning ``DDPStrategy`` arguments other than DDP's own.
 
     Raises:
         TypeError: DDP arguments were passed.
+
+    Note [ZeRO-3 without the full model]
+    Lightning's DDP path moves the whole model to the device (``model_to_device``) before
+    wrapping. With ``init_on_meta=True`` the modules made in ``configure_model`` hold no
+    memory until FullyShardedDataParallel wraps them: with an ``auto_wrap_policy`` the
+    innermost units are wrapped (materialised, flattened, sharded, their full copy freed)
+    first, so the peak is one unit in full plus the shards made so far. ``model_to_device``
+    is skipped while meta tensors remain (FSDP places each unit on its device itself).
+    Modules made in ``__init__`` are real as usual. Under ``"bf16-true"`` the weights that
+    ``reset_parameters`` makes are not rounded to bf16 first (the fp32 masters keep them).
     """
 
     strategy_name = "shardopt_zero3"
     keeps_fp32_module = True
 
-    def __init__(self, fsdp_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, fsdp_kwargs: Mapping[str, Any] | None = None, init_on_meta: bool = False,
+                 gather_on_teardown: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._require_empty_ddp_kwargs("FSDP")
+        self.init_on_meta = init_on_meta
+        self.gather_on_teardown = gather_on_teardown
         self.fsdp_kwargs = dict(fsdp_kwargs or {})
         self._failed = False
         self._shapes: dict[str, torch.Size] = {}
@@ -393,7 +414,24 @@ class ZeRO3Strategy(_ShardedStrategy):
         """Wrap the LightningModule in FullyShardedDataParallel."""
         assert self.model is not None
         self._shapes = {name: p.shape for name, p in self.model.named_parameters()}
-        self.model = FullyShardedDataParallel(self.model, **self._fsdp_options())
+        options = self._fsdp_options()
+        if any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
+            options = _wrap_units_first(self.model, options)
+        self.model = FullyShardedDataParallel(self.model, **options)
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device with ``init_on_meta`` (Note [ZeRO-3
+        without the full model])."""
+        context = torch.device("meta") if self.init_on_meta else contextlib.nullcontext()
+        with context:
+            yield None
+
+    def model_to_device(self) -> None:
+        """Skipped while meta tensors remain: each unit is materialised on its device."""
+        assert self.model is not None
+        if not any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
+            super().model_to_device()
 
     def _checkpoint_model(self) -> torch.nn.Module:
         root = self._root()
@@ -513,13 +551,48 @@ class ZeRO3Strategy(_ShardedStrategy):
         root = self._root()
         if root is not None and self._failed:
             logger.warning("%s: fit failed; the LightningModule keeps its sharded parameters", self.strategy_name)
-        elif root is not None:
+        elif root is not None and self.gather_on_teardown:
             plain = release(root)
             low = self._low_dtype()
             if low is not None:  # the module the user asked for: low-precision weights
                 plain.to(dtype=low)
             self.model = self.lightning_module
         super().teardown()
+
+
+def _unwrapped_numel(module: torch.nn.Module) -> int:
+    """Parameters of ``module`` outside the units already built inside it."""
+    if isinstance(module, FullyShardedDataParallel):
+        return 0
+    own = sum(p.numel() for p in module.parameters(recurse=False))
+    return own + sum(_unwrapped_numel(child) for child in module.children())
+
+
+def _wrap_units_first(model: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:
+    """Wrap the submodules ``auto_wrap_policy`` selects, innermost first, each on its own
+    (so each is materialised from the meta device and sharded before the next), and
+    return the options for the root (without the policy: its units exist).
+
+    FullyShardedDataParallel materialises the whole module it is given before applying
+    its policy, which would hold the full model on every rank (Note [ZeRO-3 without the
+    full model]); wrapping the units first is the manual nesting it supports.
+    """
+    policy = options.get("auto_wrap_policy")
+    if policy is None:
+        return options
+    unit_options = {k: v for k, v in options.items() if k != "auto_wrap_policy"}
+
+    def visit(parent: torch.nn.Module, prefix: str) -> None:
+        for name, child in list(parent.named_children()):
+            qualified = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, FullyShardedDataParallel):
+                continue
+            visit(child, qualified)
+            if policy(child, qualified, _unwrapped_numel(child)):
+                setattr(parent, name, FullyShardedDataParallel(child, **unit_options))
+
+    visit(model, "")
+    return unit_options
 
 
 def _register() -> None:
