@@ -72,7 +72,12 @@ from shardopt.integrations.checkpoints import (
     parse_checkpoint_kind,
     save_trainer_checkpoint,
 )
-from shardopt.integrations.convert import rebind_scheduler, release, to_oss
+from shardopt.integrations.convert import (
+    rebind_scheduler,
+    release,
+    to_oss,
+    wrap_units_first,
+)
 from shardopt.integrations.lightning_precision import (
     ShardedHalfPrecision,
     ShardedMixedPrecision,
@@ -416,7 +421,7 @@ class ZeRO3Strategy(_ShardedStrategy):
         self._shapes = {name: p.shape for name, p in self.model.named_parameters()}
         options = self._fsdp_options()
         if any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
-            options = _wrap_units_first(self.model, options)
+            options = wrap_units_first(self.model, options)
         self.model = FullyShardedDataParallel(self.model, **options)
 
     @contextlib.contextmanager
@@ -558,41 +563,6 @@ class ZeRO3Strategy(_ShardedStrategy):
                 plain.to(dtype=low)
             self.model = self.lightning_module
         super().teardown()
-
-
-def _unwrapped_numel(module: torch.nn.Module) -> int:
-    """Parameters of ``module`` outside the units already built inside it."""
-    if isinstance(module, FullyShardedDataParallel):
-        return 0
-    own = sum(p.numel() for p in module.parameters(recurse=False))
-    return own + sum(_unwrapped_numel(child) for child in module.children())
-
-
-def _wrap_units_first(model: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:
-    """Wrap the submodules ``auto_wrap_policy`` selects, innermost first, each on its own
-    (so each is materialised from the meta device and sharded before the next), and
-    return the options for the root (without the policy: its units exist).
-
-    FullyShardedDataParallel materialises the whole module it is given before applying
-    its policy, which would hold the full model on every rank (Note [ZeRO-3 without the
-    full model]); wrapping the units first is the manual nesting it supports.
-    """
-    policy = options.get("auto_wrap_policy")
-    if policy is None:
-        return options
-    unit_options = {k: v for k, v in options.items() if k != "auto_wrap_policy"}
-
-    def visit(parent: torch.nn.Module, prefix: str) -> None:
-        for name, child in list(parent.named_children()):
-            qualified = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, FullyShardedDataParallel):
-                continue
-            visit(child, qualified)
-            if policy(child, qualified, _unwrapped_numel(child)):
-                setattr(parent, name, FullyShardedDataParallel(child, **unit_options))
-
-    visit(model, "")
-    return unit_options
 
 
 def _register() -> None:
