@@ -229,7 +229,7 @@ def test_checkpoint_resume_continues_like_the_uninterrupted_run() -> None:
 
 
 def test_unsupported_precision_and_arguments_are_refused_with_the_fix() -> None:
-    with pytest.raises(ValueError, match="supports precision '32-true', 'bf16-mixed' and '16-mixed', got '64-true'"):
+    with pytest.raises(ValueError, match="supports precision '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' and '16-true', got '64-true'"):
         L.Trainer(accelerator="cpu", devices=2, strategy="shardopt_zero2", precision="64-true")
     with pytest.raises(TypeError, match=r"unexpected arguments \['find_unused_parameters'\].*sdp_kwargs"):
         ZeRO2Strategy(find_unused_parameters=True)

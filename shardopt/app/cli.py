@@ -56,6 +56,11 @@ EXAMPLES = {
         ("shardopt estimate --model 27m --world-size 8 --fp32", "a built-in model, fp32 Adam"),
         ("shardopt estimate --model torchvision.models:resnet50 --world-size 4 --json -", "any model factory"),
     ),
+    "convert": (
+        ("shardopt convert out/ckpt-sharded out/hf/model.safetensors",
+         "weights for from_pretrained (config.json beside it)"),
+        ("shardopt convert out/ckpt-sharded out/full.pt", "weights, optimizer state and extra in one torch.save file"),
+    ),
     "env": (
         ("shardopt env", "the block to paste into a bug report"),
         ("ATEN_CPU_CAPABILITY=avx2 shardopt env", "what torch dispatches with its CPU kernels lowered to AVX2"),
@@ -220,7 +225,38 @@ def build_parser() -> argparse.ArgumentParser:
                      help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
     est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON; - writes it to "
                      "standard output (the table goes to standard error)")
+    _add_convert(sub)
     return parser
+
+
+# ---------------------------------------------------------------------- convert
+def _add_convert(sub: Any) -> None:
+    convert = sub.add_parser("convert", help="turn a sharded checkpoint folder into one file",
+                             description="Read a folder written with checkpoint='sharded' (or save_sharded) in one "
+                                         "process and write OUT: *.safetensors (the weights; name it "
+                                         "model.safetensors next to config.json for from_pretrained), *.bin (the "
+                                         "weights, torch.save) or any other name (weights, optimizer entries and "
+                                         "extra, torch.save).",
+                             epilog=_epilog("convert"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    convert.add_argument("dir", metavar="DIR", help="the sharded checkpoint folder")
+    convert.add_argument("out", metavar="OUT", help="the file to write")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from shardopt.integrations.checkpoints import (
+        convert_sharded,  # torch.distributed.checkpoint: only here
+    )
+
+    if not os.path.isdir(args.dir):
+        _fail("convert", f"DIR {args.dir!r} is not a folder; pass the folder a sharded save wrote")
+    _check_writable("convert", "OUT", args.out, folder=False, why="the converted checkpoint is written there")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    try:
+        names = convert_sharded(args.dir, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail("convert", str(exc))
+    print(f"wrote {len(names)} tensors to {args.out}")
+    return 0
 
 
 def _fail(command: str, message: str) -> NoReturn:
@@ -505,5 +541,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         on stderr; Ctrl-C ends every rank and exits 130.
     """
     args = build_parser().parse_args(argv)
-    handlers = {"demo": _demo, "bench": _bench, "estimate": _estimate, "env": _env}
+    handlers = {"demo": _demo, "bench": _bench, "estimate": _estimate, "env": _env, "convert": _convert}
     return handlers[args.command](args)

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from shardopt.nn import FullyShardedDataParallel
 from shardopt.optim import OSS
 
-__all__ = ["rebind_scheduler", "release", "to_oss"]
+__all__ = ["rebind_scheduler", "release", "to_oss", "wrap_units_first"]
 
 # Optimizers whose step cannot run on a shard of the parameters.
 _REFUSED: dict[str, str] = {
@@ -185,3 +185,46 @@ def release(root: FullyShardedDataParallel) -> nn.Module:
                 replaced[id(param)] = nn.Parameter(full[key], requires_grad=param.requires_grad)
             module._parameters[name] = replaced[id(param)]
     return plain
+
+
+def _unwrapped_numel(module: nn.Module) -> int:
+    """Parameters of ``module`` outside the units already built inside it."""
+    if isinstance(module, FullyShardedDataParallel):
+        return 0
+    own = sum(p.numel() for p in module.parameters(recurse=False))
+    return own + sum(_unwrapped_numel(child) for child in module.children())
+
+
+def wrap_units_first(model: nn.Module, options: dict[str, Any]) -> dict[str, Any]:
+    """Wrap the submodules ``auto_wrap_policy`` selects, innermost first, each on its own
+    (so each is materialised from the meta device and sharded before the next), and
+    return the options for the root (without the policy: its units exist). Collective
+    (each unit built is one), like FullyShardedDataParallel itself.
+
+    Args:
+        model: the module (partly on the meta device) about to be wrapped.
+        options: the FullyShardedDataParallel arguments; ``auto_wrap_policy`` selects.
+
+    Returns:
+        ``options`` without ``auto_wrap_policy`` (unchanged when there is none).
+
+    FullyShardedDataParallel materialises the whole module it is given before applying
+    its policy, which would hold the full model on every rank (Note [ZeRO-3 without the
+    full model]); wrapping the units first is the manual nesting it supports.
+    """
+    policy = options.get("auto_wrap_policy")
+    if policy is None:
+        return options
+    unit_options = {k: v for k, v in options.items() if k != "auto_wrap_policy"}
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for name, child in list(parent.named_children()):
+            qualified = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, FullyShardedDataParallel):
+                continue
+            visit(child, qualified)
+            if policy(child, qualified, _unwrapped_numel(child)):
+                setattr(parent, name, FullyShardedDataParallel(child, **unit_options))
+
+    visit(model, "")
+    return unit_options

@@ -16,8 +16,29 @@ schedulers): ZeRO-1/2 rebuild the optimizer as OSS and rebind the schedulers
 built on the sharded parameters. Gradient accumulation uses the wrapper's ``no_sync``;
 ``gradient_clip_val`` with the norm algorithm clips by the global norm (Note [clipping
 sharded gradients]); precision ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (with
-:class:`~shardopt.optim.grad_scaler.ShardedGradScaler`); checkpoints hold plain, full state
+:class:`~shardopt.optim.grad_scaler.ShardedGradScaler`), and ``"bf16-true"`` / ``"16-true"``
+meaning what DeepSpeed users expect: low-precision parameters with fp32 master weights on
+their owner (Note [true precision means fp32 masters]); checkpoints hold plain, full state
 dicts; after ``fit`` the LightningModule is a plain module again.
+
+Note [true precision means fp32 masters]
+Lightning's ``"bf16-true"`` under DDP casts the module to bf16 and steps the optimizer on the
+bf16 parameters (Adam's moments in bf16 too). DeepSpeed's bf16 keeps bf16 parameters and an
+fp32 copy of each (the master) that the optimizer steps, so small updates are not rounded
+away. With the shardopt strategies ``"bf16-true"``/``"16-true"`` mean DeepSpeed's: ZeRO-1/2
+cast the module to the low dtype and build the OSS with ``master_dtype=torch.float32`` (the
+owner of a parameter keeps its master, moments and fp32 gradient); ZeRO-3 rounds the module's
+weights to the low dtype but keeps them fp32 and wraps with ``MixedPrecision(param_dtype=low,
+reduce_dtype=low, buffer_dtype=low)``: the fp32 flat shards are the masters, units are gathered
+and gradients reduced in the low dtype. ``"16-true"`` adds a ShardedGradScaler (fp16 gradients
+overflow without loss scaling); unscaling runs on the fp32 master gradients. Bytes per
+parameter are tabled in docs/integrations-precision.md. After ``fit`` the module holds the
+low-precision weights (the masters are not kept: save a checkpoint to keep them).
+The plugin runs Lightning's closure itself before ``optimizer.step()``: ``OSS.step(closure)``
+with masters folds ``param.grad`` into the masters *before* the closure, so with gradient
+accumulation under DDP the earlier micro-batches' local gradients would leave ``param.grad``
+before the last backward's all-reduce sums them (measured: first-step updates of the wrong
+sign, 4e-2 off at lr 2e-2).
 
 Note [clipping sharded gradients]
 Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters on
@@ -32,93 +53,71 @@ elementwise and stays Lightning's.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from shardopt.integrations.convert import rebind_scheduler, release, to_oss
+from shardopt.integrations.checkpoints import (
+    CheckpointKind,
+    load_trainer_checkpoint,
+    parse_checkpoint_kind,
+    save_trainer_checkpoint,
+)
+from shardopt.integrations.convert import (
+    rebind_scheduler,
+    release,
+    to_oss,
+    wrap_units_first,
+)
+from shardopt.integrations.lightning_precision import (
+    ShardedHalfPrecision,
+    ShardedMixedPrecision,
+    ShardedPrecision,
+    sharded_scaler,
+    unwrap_optimizer,
+)
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
-from shardopt.optim import OSS, ShardedGradScaler
+from shardopt.nn import MixedPrecision as FSDPMixedPrecision
+from shardopt.optim import OSS
 
 __all__ = [
-    "ShardedMixedPrecision", "ShardedPrecision", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy",
+    "ShardedHalfPrecision", "ShardedMixedPrecision", "ShardedPrecision", "ZeRO1Strategy", "ZeRO2Strategy",
+    "ZeRO3Strategy",
 ]
 
 logger = logging.getLogger(__name__)
 
-ClipNorm = Callable[[Optimizer, float], torch.Tensor]
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-class ShardedPrecision(Precision):
-    """Lightning's ``"32-true"`` precision with clipping by the global gradient norm.
-
-    Args:
-        clip_norm: ``clip_norm(optimizer, max_norm)`` clips the gradients of every rank by
-            their global norm and returns it (Note [clipping sharded gradients]).
-    """
-
-    def __init__(self, clip_norm: ClipNorm) -> None:
-        super().__init__()
-        self.clip_norm = clip_norm
-
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """Clip by the norm of the full gradient (a collective: every rank clips)."""
-        self.clip_norm(_unwrap(optimizer), float(clip_val))
-
-
-class ShardedMixedPrecision(MixedPrecision):
-    """Lightning's ``"bf16-mixed"`` / ``"16-mixed"`` with global-norm clipping and, for
-    fp16, a :class:`~shardopt.optim.grad_scaler.ShardedGradScaler` (every rank skips a step
-    when any rank saw an inf/nan in its shard).
-
-    Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
-        device: the autocast device type (``"cpu"``, ``"cuda"``).
-        clip_norm: as for :class:`ShardedPrecision`.
-        scaler: for ``"16-mixed"``; default ``ShardedGradScaler(device=device)``.
-    """
-
-    def __init__(self, precision: str, device: str, clip_norm: ClipNorm,
-                 scaler: ShardedGradScaler | None = None) -> None:
-        if precision == "16-mixed" and scaler is None:
-            scaler = ShardedGradScaler(device=device)
-        super().__init__(precision, device, scaler)  # type: ignore[arg-type]
-        self.clip_norm = clip_norm
-
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """Clip by the norm of the full gradient (a collective: every rank clips)."""
-        self.clip_norm(_unwrap(optimizer), float(clip_val))
-
-
-def _sharded_scaler(scaler: torch.amp.GradScaler, device: str) -> ShardedGradScaler:
-    """A ShardedGradScaler with the settings of a torch ``GradScaler`` the user configured."""
-    if isinstance(scaler, ShardedGradScaler):
-        return scaler
-    return ShardedGradScaler(
-        init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
-        backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
-        enabled=scaler.is_enabled(), device=device,
-    )
-
-
 class _ShardedStrategy(DDPStrategy):
     """What the three strategies share: their precision plugins, ``no_sync`` for
-    accumulation and a plain module after teardown. Subclasses define how a model is
-    wrapped and how gradients are clipped."""
+    accumulation, full or sharded checkpoints and a plain module after teardown.
+    Subclasses define how a model is wrapped and how gradients are clipped.
+
+    Args:
+        checkpoint: ``"full"`` (one file: the full model and the plain optimizer state,
+            gathered on rank 0) or ``"sharded"`` (a folder every rank writes its part to,
+            loadable at any world size; Note [sharded trainer checkpoints] in
+            :mod:`shardopt.integrations.checkpoints`).
+        **kwargs: Lightning ``DDPStrategy`` arguments.
+
+    Raises:
+        ValueError: ``checkpoint`` is neither.
+    """
+
+    def __init__(self, checkpoint: str = "full", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.checkpoint = parse_checkpoint_kind(checkpoint, type(self).__name__)
 
     strategy_name = ""
+    keeps_fp32_module = False  # ZeRO-3: see Note [true precision means fp32 masters]
 
     @property
     def precision_plugin(self) -> Precision:
@@ -132,23 +131,33 @@ class _ShardedStrategy(DDPStrategy):
         self._precision_plugin = None if plugin is None else self._sharded_precision(plugin)
 
     def _sharded_precision(self, plugin: Precision) -> Precision:
-        if isinstance(plugin, (ShardedPrecision, ShardedMixedPrecision)):
+        if isinstance(plugin, (ShardedPrecision, ShardedMixedPrecision, ShardedHalfPrecision)):
             plugin.clip_norm = self.clip_grad_norm
+            if isinstance(plugin, ShardedHalfPrecision):
+                plugin.keep_fp32_module = self.keeps_fp32_module
             return plugin
+        if type(plugin) is HalfPrecision:
+            return ShardedHalfPrecision(plugin.precision, self.clip_grad_norm, keep_fp32_module=self.keeps_fp32_module)
         if type(plugin) is Precision:
             return ShardedPrecision(self.clip_grad_norm)
         if type(plugin) is MixedPrecision:
-            scaler = None if plugin.scaler is None else _sharded_scaler(plugin.scaler, plugin.device)
+            scaler = None if plugin.scaler is None else sharded_scaler(plugin.scaler, plugin.device)
             return ShardedMixedPrecision(plugin.precision, plugin.device, self.clip_grad_norm, scaler)
         name = getattr(plugin, "precision", type(plugin).__name__)
         raise ValueError(
-            f"strategy {self.strategy_name!r} supports precision '32-true', 'bf16-mixed' and '16-mixed', got "
+            f"strategy {self.strategy_name!r} supports precision '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' "
+            f"and '16-true', got "
             f"{name!r} ({type(plugin).__name__}); pass Trainer(precision=...) with one of those"
         )
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
         """Clip every rank's gradients by the global norm (Note [clipping sharded gradients])."""
         raise NotImplementedError
+
+    def _low_dtype(self) -> torch.dtype | None:
+        """The parameters' dtype under ``"bf16-true"``/``"16-true"``, else ``None``."""
+        plugin = self.precision_plugin
+        return plugin.low_dtype if isinstance(plugin, ShardedHalfPrecision) else None
 
     def _wrapped(self) -> ShardedDataParallel | FullyShardedDataParallel | None:
         model = self.model
@@ -163,12 +172,76 @@ class _ShardedStrategy(DDPStrategy):
             yield None
 
     def _require_empty_ddp_kwargs(self, wrapper: str) -> None:
-        if self._ddp_kwargs:
+        # LightningCLI (jsonargparse) fills in every DDP argument the **kwargs reach, at its
+        # default: those change nothing and are dropped; a value set by the user is refused.
+        defaults = {name: p.default for name, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()}
+        set_by_user = {k: v for k, v in self._ddp_kwargs.items() if k not in defaults or v != defaults[k]}
+        self._ddp_kwargs = set_by_user
+        if set_by_user:
             raise TypeError(
-                f"{type(self).__name__} got unexpected arguments {sorted(self._ddp_kwargs)}: they would go to "
+                f"{type(self).__name__} got unexpected arguments {sorted(set_by_user)}: they would go to "
                 f"DistributedDataParallel, which this strategy does not use; pass {wrapper} arguments as "
                 f"{wrapper.lower()}_kwargs={{...}}"
             )
+
+
+    # ------------------------------------------------------------------ sharded checkpoints
+    def _sharded(self) -> bool:
+        return self.checkpoint is CheckpointKind.SHARDED
+
+    def _checkpoint_model(self) -> torch.nn.Module:
+        """What ``save_sharded`` takes: the module under the OSS (ZeRO-3: the root)."""
+        module = self.lightning_module
+        assert module is not None, "checkpoints are saved and loaded while fitting, with a LightningModule"
+        return module
+
+    def _param_shapes(self) -> dict[str, torch.Size]:
+        return {name: p.shape for name, p in self._checkpoint_model().named_parameters()}
+
+    def _only_optimizer(self) -> Optimizer | None:
+        optimizers = [unwrap_optimizer(o) for o in self.optimizers]
+        if len(optimizers) > 1:
+            raise ValueError(f"{self.strategy_name!r} with checkpoint='sharded' saves one optimizer, got "
+                             f"{len(optimizers)}; return one optimizer from configure_optimizers or use "
+                             "checkpoint='full'")
+        return optimizers[0] if optimizers else None
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Sharded checkpoints load into the wrapped model and the built optimizer."""
+        return self._sharded()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Full: rank 0 writes the file Lightning built. Sharded: every rank writes its
+        part of the folder ``filepath`` (a collective), the trainer's state included."""
+        if not self._sharded():
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_trainer_checkpoint(str(filepath), self._checkpoint_model(), self._only_optimizer(), state,
+                                self._param_shapes())
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Sharded: load the folder into the model and the optimizer (at any world size; a
+        collective) and hand Lightning the trainer's state."""
+        if not self._sharded():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = load_trainer_checkpoint(str(checkpoint_path), self._checkpoint_model(), self._only_optimizer())
+        return {**state, "state_dict": {}, "optimizer_states": [{} for _ in self.optimizers]}
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded: nothing (``save_checkpoint`` writes the shards); full: Lightning's."""
+        return {} if self._sharded() else super().lightning_module_state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Sharded: already loaded by :meth:`load_checkpoint`; full: Lightning's."""
+        if not self._sharded():
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Sharded: already loaded by :meth:`load_checkpoint`; full: Lightning's."""
+        if not self._sharded():
+            super().load_optimizer_state_dict(checkpoint)
 
 
 class _OSSStrategy(_ShardedStrategy):
@@ -188,15 +261,22 @@ class _OSSStrategy(_ShardedStrategy):
         super().setup_optimizers(trainer)
         converted = []
         for optimizer in self.optimizers:
-            optimizer = _unwrap(optimizer)
+            optimizer = unwrap_optimizer(optimizer)
             if not any(g["params"] for g in optimizer.param_groups):  # configure_optimizers returned None
                 converted.append(optimizer)
                 continue
-            oss = to_oss(optimizer, **self.oss_kwargs)
+            oss = to_oss(optimizer, **self._oss_options())
             for config in self.lr_scheduler_configs:
                 rebind_scheduler(config.scheduler, optimizer, oss)
             converted.append(oss)
         self.optimizers = converted
+
+    def _oss_options(self) -> dict[str, Any]:
+        """``oss_kwargs``, with fp32 masters under ``"bf16-true"``/``"16-true"`` unless given
+        (Note [true precision means fp32 masters])."""
+        if self._low_dtype() is None:
+            return self.oss_kwargs
+        return {"master_dtype": torch.float32, **self.oss_kwargs}
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
         """``OSS.clip_grad_norm``: exactly torch's norm of the full gradients.
@@ -211,8 +291,11 @@ class _OSSStrategy(_ShardedStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The plain ``torch.optim`` state dict, consolidated on global rank 0 (a collective;
-        other ranks return ``{}``: only rank 0 writes the checkpoint)."""
-        optimizer = _unwrap(optimizer)
+        other ranks return ``{}``: only rank 0 writes the checkpoint). Sharded: ``{}`` (the
+        folder holds the state)."""
+        optimizer = unwrap_optimizer(optimizer)
+        if self._sharded():
+            return {}
         if not isinstance(optimizer, OSS):
             return super().optimizer_state(optimizer)
         optimizer.consolidate_state_dict(recipient_rank=0)
@@ -295,24 +378,84 @@ class ZeRO3Strategy(_ShardedStrategy):
     Args:
         fsdp_kwargs: :class:`~shardopt.nn.FullyShardedDataParallel` arguments
             (``auto_wrap_policy``, ``sharding_strategy``, ``mixed_precision``, ...).
+        init_on_meta: build the modules ``configure_model`` creates on the meta device;
+            each unit is then materialised on its own when it is wrapped (``param_init_fn``
+            in ``fsdp_kwargs``, else each submodule's ``reset_parameters()``) and sharded
+            before the next, so no rank holds the whole model (Note [ZeRO-3 without the
+            full model]).
+        gather_on_teardown: after ``fit``, gather the full parameters into the plain
+            module on every rank (default). ``False`` leaves the module wrapped and
+            sharded (save with ``checkpoint="sharded"`` and ``shardopt convert``).
         **kwargs: Lightning ``DDPStrategy`` arguments other than DDP's own.
 
     Raises:
         TypeError: DDP arguments were passed.
+
+    Note [ZeRO-3 without the full model]
+    Lightning's DDP path moves the whole model to the device (``model_to_device``) before
+    wrapping. With ``init_on_meta=True`` the modules made in ``configure_model`` hold no
+    memory until FullyShardedDataParallel wraps them: with an ``auto_wrap_policy`` the
+    innermost units are wrapped (materialised, flattened, sharded, their full copy freed)
+    first, so the peak is one unit in full plus the shards made so far. ``model_to_device``
+    is skipped while meta tensors remain (FSDP places each unit on its device itself).
+    Modules made in ``__init__`` are real as usual. Under ``"bf16-true"`` the weights that
+    ``reset_parameters`` makes are not rounded to bf16 first (the fp32 masters keep them).
     """
 
     strategy_name = "shardopt_zero3"
+    keeps_fp32_module = True
 
-    def __init__(self, fsdp_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, fsdp_kwargs: Mapping[str, Any] | None = None, init_on_meta: bool = False,
+                 gather_on_teardown: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._require_empty_ddp_kwargs("FSDP")
+        self.init_on_meta = init_on_meta
+        self.gather_on_teardown = gather_on_teardown
         self.fsdp_kwargs = dict(fsdp_kwargs or {})
         self._failed = False
+        self._shapes: dict[str, torch.Size] = {}
 
     def configure_ddp(self) -> None:
         """Wrap the LightningModule in FullyShardedDataParallel."""
         assert self.model is not None
-        self.model = FullyShardedDataParallel(self.model, **self.fsdp_kwargs)
+        self._shapes = {name: p.shape for name, p in self.model.named_parameters()}
+        options = self._fsdp_options()
+        if any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
+            options = wrap_units_first(self.model, options)
+        self.model = FullyShardedDataParallel(self.model, **options)
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device with ``init_on_meta`` (Note [ZeRO-3
+        without the full model])."""
+        context = torch.device("meta") if self.init_on_meta else contextlib.nullcontext()
+        with context:
+            yield None
+
+    def model_to_device(self) -> None:
+        """Skipped while meta tensors remain: each unit is materialised on its device."""
+        assert self.model is not None
+        if not any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
+            super().model_to_device()
+
+    def _checkpoint_model(self) -> torch.nn.Module:
+        root = self._root()
+        if root is None:
+            raise RuntimeError(f"{self.strategy_name!r} with checkpoint='sharded' saves the shards of the wrapped "
+                               "model, which exist only during fit; save during fit (ModelCheckpoint)")
+        return root
+
+    def _param_shapes(self) -> dict[str, torch.Size]:
+        return dict(self._shapes)
+
+    def _fsdp_options(self) -> dict[str, Any]:
+        """``fsdp_kwargs``, with units gathered and reduced in the low dtype under
+        ``"bf16-true"``/``"16-true"`` unless given (Note [true precision means fp32 masters])."""
+        low = self._low_dtype()
+        if low is None:
+            return self.fsdp_kwargs
+        policy = FSDPMixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low)
+        return {"mixed_precision": policy, **self.fsdp_kwargs}
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         """Build the user's optimizers on the sharded parameters.
@@ -322,7 +465,7 @@ class ZeRO3Strategy(_ShardedStrategy):
         """
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
-            if isinstance(_unwrap(optimizer), OSS):
+            if isinstance(unwrap_optimizer(optimizer), OSS):
                 raise TypeError(
                     f"{self.strategy_name!r} shards the optimizer state itself; return a plain torch.optim "
                     "optimizer from configure_optimizers, not an OSS"
@@ -358,9 +501,11 @@ class ZeRO3Strategy(_ShardedStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full state dict with the LightningModule's own names (gathered on rank 0;
-        a collective)."""
+        a collective); nothing when sharded."""
         root = self._root()
-        return root.state_dict(rank0_only=True) if root is not None else super().lightning_module_state_dict()
+        if root is None or self._sharded():
+            return super().lightning_module_state_dict()
+        return root.state_dict(rank0_only=True)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The full, name-keyed optimizer state on rank 0 (a collective; ``{}`` elsewhere).
@@ -369,28 +514,32 @@ class ZeRO3Strategy(_ShardedStrategy):
             RuntimeError: the model is not wrapped (saving optimizer state after ``fit``).
         """
         root = self._root()
+        if self._sharded() and root is not None:
+            return {}
         if root is None:
             raise RuntimeError(
                 f"{self.strategy_name!r}: the optimizer state lives in the shards of the wrapped model, which "
                 "teardown released after fit; save checkpoints during fit (ModelCheckpoint), or after fit with "
                 "trainer.save_checkpoint(path, weights_only=True)"
             )
-        return FullyShardedDataParallel.full_optim_state_dict(root, _unwrap(optimizer), rank0_only=True)
+        return FullyShardedDataParallel.full_optim_state_dict(root, unwrap_optimizer(optimizer), rank0_only=True)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the full state dict into the shards (every rank reads the checkpoint)."""
         root = self._root()
-        if root is None:
+        if root is None or self._sharded():
             super().load_model_state_dict(checkpoint, strict=strict)
             return
         root.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Reshard each full optimizer state onto this rank's slices and load it."""
+        if self._sharded():
+            return
         root = self._root()
         assert root is not None, "optimizers are restored only while fitting, after the model is wrapped"
-        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer = _unwrap(optimizer)
+        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            optimizer = unwrap_optimizer(optimizer)
             optimizer.load_state_dict(FullyShardedDataParallel.shard_full_optim_state_dict(full, root, optimizer))
 
     def on_exception(self, exception: BaseException) -> None:
@@ -407,8 +556,11 @@ class ZeRO3Strategy(_ShardedStrategy):
         root = self._root()
         if root is not None and self._failed:
             logger.warning("%s: fit failed; the LightningModule keeps its sharded parameters", self.strategy_name)
-        elif root is not None:
-            release(root)
+        elif root is not None and self.gather_on_teardown:
+            plain = release(root)
+            low = self._low_dtype()
+            if low is not None:  # the module the user asked for: low-precision weights
+                plain.to(dtype=low)
             self.model = self.lightning_module
         super().teardown()
 

@@ -24,6 +24,19 @@ What changes against a plain ``Trainer`` (everything else is the Trainer's own):
   wrapper's ``forward(*inputs, **kwargs)``;
 * after ``train()`` the model is plain again (stage 3 gathers its full parameters).
 
+Note [low-precision parameters with fp32 masters]
+``TrainingArguments(bf16=True)`` keeps the Trainer's meaning here: autocast over the
+model's parameters (fp32 parameters, 4 + 12/N bytes per parameter with AdamW at stage 2),
+so a ShardedTrainer stays a drop-in ``Trainer`` and trains exactly like it. DeepSpeed's
+bf16 (bf16 parameters, fp32 masters, 2 + 14/N) is ``Sharding(param_dtype=torch.bfloat16)``:
+stages 1 and 2 cast the model to bf16 and build the OSS with ``master_dtype=torch.float32``
+(the owner keeps the master, the moments and the fp32 gradient); stage 3 rounds the weights
+to bf16 but keeps them fp32 and wraps with ``MixedPrecision(param_dtype=bf16,
+reduce_dtype=bf16, buffer_dtype=bf16)``, so its fp32 flat shards are the masters. fp16
+parameters also need ``fp16=True``: Accelerate's loss scaling, with a ShardedGradScaler that
+unscales the masters' fp32 gradients. After ``train()`` the model holds the low-precision
+weights. Tables: docs/integrations-precision.md.
+
 Note [Accelerate reads the optimizer's state dict]
 ``accelerator.prepare(optimizer)`` wraps it in an ``AcceleratedOptimizer`` that calls
 ``optimizer.state_dict()`` at once (to move the state to the device) and loads it back.
@@ -47,12 +60,22 @@ from torch.optim import Optimizer
 from transformers import Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-from shardopt import comm
+from shardopt.checkpoint import load_sharded
+from shardopt.integrations.checkpoints import (
+    CheckpointKind,
+    load_trainer_checkpoint,
+    parse_checkpoint_kind,
+    save_trainer_checkpoint,
+)
 from shardopt.integrations.convert import rebind_scheduler, release, to_oss
-from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
+from shardopt.nn import FullyShardedDataParallel, MixedPrecision, ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
+from shardopt.clipping import ClipArgs
+from shardopt.optim.grad_norm import clip_params
 
-__all__ = ["ShardedTrainer", "ShardedTrainerMixin", "Sharding", "clip_in_module_order"]
+__all__ = ["SHARDED_CHECKPOINT_DIR", "ShardedTrainer", "ShardedTrainerMixin", "Sharding", "clip_in_module_order"]
+
+SHARDED_CHECKPOINT_DIR = "shardopt_sharded"  # inside each checkpoint-N folder with checkpoint="sharded"
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +89,43 @@ class Sharding:
         oss_kwargs: extra :class:`~shardopt.optim.OSS` arguments (stages 1, 2).
         wrapper_kwargs: extra ShardedDataParallel (stage 2) or FullyShardedDataParallel
             (stage 3) arguments, e.g. ``{"auto_wrap_policy": ModuleClassPolicy((Block,))}``.
+        param_dtype: train with parameters in this dtype (``torch.bfloat16``,
+            ``torch.float16``) and fp32 master weights on their owner, as DeepSpeed's bf16
+            does (Note [low-precision parameters with fp32 masters]); ``None``: the
+            model's own dtype. ``float16`` needs ``TrainingArguments(fp16=True)`` for loss
+            scaling.
+        master_dtype: the masters' dtype with ``param_dtype`` (default ``torch.float32``).
+        checkpoint: ``"full"`` (checkpoints hold the full model and the plain optimizer
+            state, gathered on rank 0) or ``"sharded"`` (every rank writes its part of a
+            ``shardopt_sharded`` folder inside each checkpoint, loadable at any world size;
+            ``shardopt convert`` turns it into ``model.safetensors``; Note [sharded trainer
+            checkpoints] in :mod:`shardopt.integrations.checkpoints`).
 
     Raises:
-        ValueError: ``stage`` is not 1, 2 or 3, or wrapper options for stage 1.
+        ValueError: ``stage`` is not 1, 2 or 3, wrapper options for stage 1, a
+            ``param_dtype`` that is not bf16/fp16, ``master_dtype`` without it, or another
+            ``checkpoint``.
     """
 
     stage: int = 2
     oss_kwargs: Mapping[str, Any] = field(default_factory=dict)
     wrapper_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    param_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype | None = None
+    checkpoint: CheckpointKind | str = CheckpointKind.FULL
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "checkpoint", parse_checkpoint_kind(self.checkpoint, "Sharding"))
         if self.stage not in (1, 2, 3):
             raise ValueError(f"Sharding(stage={self.stage!r}): stage must be 1, 2 or 3")
+        if self.param_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"Sharding(param_dtype={self.param_dtype!r}): param_dtype must be torch.bfloat16, "
+                             "torch.float16 or None (train in the model's own dtype)")
+        if self.master_dtype is not None and self.param_dtype is None:
+            raise ValueError(f"Sharding(master_dtype={self.master_dtype!r}) keeps masters of low-precision "
+                             "parameters: also pass param_dtype=torch.bfloat16 (or torch.float16)")
+        if self.param_dtype is not None and self.master_dtype is None:
+            object.__setattr__(self, "master_dtype", torch.float32)
         if self.stage == 1 and self.wrapper_kwargs:
             raise ValueError("Sharding(stage=1) uses Accelerate's DDP; wrapper_kwargs are for stages 2 and 3")
         if self.stage == 3 and self.oss_kwargs:
@@ -120,12 +168,22 @@ class ShardedTrainerMixin(_Base):
         self.sharding = sharding or Sharding()
         self._root: FullyShardedDataParallel | None = None
         self._wrapper: nn.Module | None = None
+        self._shapes: dict[str, torch.Size] = {}
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, nn.Module) and self.sharding.param_dtype is not None:
+            _to_low_precision(model, self.sharding.param_dtype, keep_fp32=self.sharding.stage == 3)
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
                 "ShardedTrainer shards with shardopt; remove deepspeed=/fsdp= from TrainingArguments "
                 "(choose the stage with sharding=Sharding(stage=...))"
             )
+        if self.sharding.checkpoint is CheckpointKind.SHARDED and self.args.save_only_model:
+            raise ValueError("Sharding(checkpoint='sharded') writes the weights with the optimizer's shards; "
+                             "save_only_model=True would write neither: use checkpoint='full' with it")
+        if self.sharding.param_dtype == torch.float16 and not self.args.fp16:
+            raise ValueError("Sharding(param_dtype=torch.float16) needs loss scaling: pass "
+                             "TrainingArguments(fp16=True) (or use param_dtype=torch.bfloat16)")
 
     # ------------------------------------------------------------------ setup
     def create_accelerator_and_postprocess(self) -> None:
@@ -146,7 +204,12 @@ class ShardedTrainerMixin(_Base):
 
     def _fsdp_root(self) -> FullyShardedDataParallel:
         if self._root is None:
-            self._root = FullyShardedDataParallel(self._plain_model(), **self.sharding.wrapper_kwargs)
+            options = dict(self.sharding.wrapper_kwargs)
+            low = self.sharding.param_dtype
+            if low is not None:  # Note [low-precision parameters with fp32 masters]
+                options.setdefault("mixed_precision", MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low))
+            self._shapes = {name: p.shape for name, p in self._plain_model().named_parameters()}
+            self._root = FullyShardedDataParallel(self._plain_model(), **options)
         return self._root
 
     def _oss(self) -> OSS:
@@ -175,7 +238,10 @@ class ShardedTrainerMixin(_Base):
             return optimizer
         optimizer = _inner_optimizer(super().create_optimizer(model))
         if not isinstance(optimizer, OSS):
-            oss = to_oss(optimizer, **self.sharding.oss_kwargs)
+            options = dict(self.sharding.oss_kwargs)
+            if self.sharding.master_dtype is not None:
+                options.setdefault("master_dtype", self.sharding.master_dtype)
+            oss = to_oss(optimizer, **options)
             if self.lr_scheduler is not None:
                 rebind_scheduler(self.lr_scheduler, optimizer, oss)
             self.optimizer = optimizer = oss
@@ -208,15 +274,16 @@ class ShardedTrainerMixin(_Base):
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """Clip by the global norm of the full gradients; returns it (what is logged).
 
-        Stage 1 holds full gradients after DDP, so the Trainer's own clipping is right.
+        Stage 1 holds full gradients after DDP, so the Trainer's own clipping is right,
+        unless fp32 masters hold the owners' gradients.
         """
-        if self.sharding.stage == 1:
+        if self.sharding.stage == 1 and self.sharding.master_dtype is None:
             return super()._clip_grad_norm(model)
         return self._global_norm(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         """The global gradient norm (computed without clipping when none was clipped)."""
-        if self.sharding.stage == 1 or grad_norm is not None:
+        if (self.sharding.stage == 1 and self.sharding.master_dtype is None) or grad_norm is not None:
             return super()._get_grad_norm(model, grad_norm)
         return self._global_norm(float("inf"))
 
@@ -233,9 +300,34 @@ class ShardedTrainerMixin(_Base):
             state_dict = self._root.state_dict(rank0_only=True)
         super()._save(output_dir, state_dict=state_dict)
 
+    def _sharded_target(self) -> tuple[nn.Module, Optimizer, dict[str, torch.Size]]:
+        if self._root is not None:
+            return self._root, _inner_optimizer(self.optimizer), dict(self._shapes)
+        plain = self._plain_model()
+        return plain, self._oss(), {name: p.shape for name, p in plain.named_parameters()}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; with ``checkpoint="sharded"`` a checkpoint's weights are
+        written with the optimizer's shards instead (only the model's config here), so no
+        rank gathers the full model."""
+        if self.sharding.checkpoint is not CheckpointKind.SHARDED or not _internal_call:
+            super().save_model(output_dir, _internal_call)
+            return
+        config = getattr(self._plain_model(), "config", None)
+        if self.args.should_save and output_dir is not None and config is not None:
+            os.makedirs(output_dir, exist_ok=True)
+            config.save_pretrained(output_dir)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Write a plain optimizer state: OSS consolidated on rank 0; stage 3 the full,
-        name-keyed state (``FullyShardedDataParallel.full_optim_state_dict``)."""
+        name-keyed state (``FullyShardedDataParallel.full_optim_state_dict``). Sharded:
+        every rank writes its part of ``SHARDED_CHECKPOINT_DIR`` (weights included)."""
+        if self.sharding.checkpoint is CheckpointKind.SHARDED:
+            model, optimizer, shapes = self._sharded_target()
+            save_trainer_checkpoint(os.path.join(output_dir, SHARDED_CHECKPOINT_DIR), model, optimizer, {}, shapes)
+            if self.args.should_save and self.lr_scheduler is not None:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            return
         if self._root is None:
             self._oss().consolidate_state_dict(recipient_rank=0)
             super()._save_optimizer_and_scheduler(output_dir)
@@ -246,7 +338,14 @@ class ShardedTrainerMixin(_Base):
             torch.save(full, os.path.join(output_dir, OPTIMIZER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Stage 3: reshard the full optimizer state onto this rank's slices."""
+        """Stage 3: reshard the full optimizer state onto this rank's slices. Sharded: load
+        the weights and the optimizer from the folder (at any world size)."""
+        if checkpoint is not None and os.path.isdir(os.path.join(checkpoint, SHARDED_CHECKPOINT_DIR)):
+            model, optimizer, _ = self._sharded_target()
+            load_trainer_checkpoint(os.path.join(checkpoint, SHARDED_CHECKPOINT_DIR), model, optimizer)
+            assert self.lr_scheduler is not None, "the Trainer builds its scheduler before loading a checkpoint"
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            return
         if self._root is None or checkpoint is None:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
@@ -257,12 +356,33 @@ class ShardedTrainerMixin(_Base):
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Stage 3 after training: load the full weights through ``summon_full_params``."""
+        """Stage 3 after training: load the full weights through ``summon_full_params``. A
+        sharded checkpoint's weights are loaded with its optimizer state instead."""
+        if os.path.isdir(os.path.join(resume_from_checkpoint, SHARDED_CHECKPOINT_DIR)):
+            return
         if self._root is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         with self._root.summon_full_params(writeback=True):
             super()._load_from_checkpoint(resume_from_checkpoint, self.model)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: load the best checkpoint's weights into the sharded
+        model (a collective). transformers has no public hook for this step (it runs inside
+        ``train()``, before ``on_train_end`` and before the model is plain again), so it is
+        overridden like ``_load_from_checkpoint``: stage 3 loads through
+        ``summon_full_params``; a sharded checkpoint loads with ``load_sharded`` (weights
+        only; OSS masters then follow the loaded weights)."""
+        best = self.state.best_model_checkpoint
+        assert best is not None, "the Trainer loads the best model only once it has one"
+        folder = os.path.join(best, SHARDED_CHECKPOINT_DIR)
+        if os.path.isdir(folder):
+            load_sharded(folder, self._sharded_target()[0], None)
+        elif self._root is None:
+            super()._load_best_model()
+        else:
+            with self._root.summon_full_params(writeback=True):
+                super()._load_best_model()
 
     # ------------------------------------------------------------------ teardown
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -277,21 +397,35 @@ class ShardedTrainerMixin(_Base):
         if isinstance(self._wrapper, ShardedDataParallel):
             self._wrapper.close()
         if self._root is not None:
-            release(self._root)
+            plain = release(self._root)
+            if self.sharding.param_dtype is not None:  # Note [low-precision parameters with fp32 masters]
+                plain.to(dtype=self.sharding.param_dtype)
             self.optimizer, self.lr_scheduler = None, None
         self._root = self._wrapper = None
         self.model_wrapped = self._plain_model()
+
+
+def _to_low_precision(model: nn.Module, dtype: torch.dtype, keep_fp32: bool) -> None:
+    """Cast ``model``'s floating parameters and buffers to ``dtype``, or (``keep_fp32``,
+    stage 3) round them to ``dtype`` in place and keep their dtype."""
+    if not keep_fp32:
+        model.to(dtype=dtype)
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point() and not tensor.is_meta:
+                tensor.copy_(tensor.to(dtype))
 
 
 def clip_in_module_order(oss: OSS, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """``OSS.clip_grad_norm`` (L2) with the per-parameter norms combined in ``params``' order.
 
     The Trainer clips DDP's gradients with ``clip_grad_norm_(model.parameters())``, which
-    stacks the per-tensor norms in module order; ``OSS.clip_grad_norm`` stacks them in the
-    optimizer's order (the Trainer's decay group first), which can change the last bit of
-    the total. How it works: each owner takes the norm of each gradient it holds (torch's
-    per-tensor kernel), one all-reduce gathers them into a vector in ``params``' order,
-    every rank takes the same norm of that vector and scales the gradients it owns.
+    stacks the per-tensor norms in module order. How it works: the sharded clip of
+    :func:`shardopt.optim.grad_norm.clip_params` over the parameters ``oss`` holds, in
+    ``params``' order (Note [sharded norm in torch's order] there): each owner takes the norm
+    of each gradient it holds (with masters, the master's fp32 gradient, folded in first), one
+    all-reduce gathers them, every rank takes the same norm and scales the gradients it owns.
 
     Args:
         oss: the optimizer over the parameters (decides who owns which gradient).
@@ -301,25 +435,8 @@ def clip_in_module_order(oss: OSS, params: list[nn.Parameter], max_norm: float) 
     Returns:
         The total norm before clipping.
     """
-    index = {p: i for i, p in enumerate(oss.params)}
-    counted = [p for p in params if p in index]
-    mine = [(j, p.grad) for j, p in enumerate(counted) if p.grad is not None and oss.owns(index[p])]
-    device = counted[0].device if counted else torch.device("cpu")
-    exchange = torch.zeros(2 * len(counted), dtype=torch.float32, device=device)
-    by_kind: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
-    for j, grad in mine:
-        by_kind.setdefault((str(grad.device), grad.dtype), []).append((j, grad.detach()))
-    for entries in by_kind.values():
-        for (j, _), norm in zip(entries, torch._foreach_norm([g for _, g in entries], 2.0)):
-            exchange[j] = norm.to(device)
-            exchange[len(counted) + j] = 1
-    comm.all_reduce(exchange, oss.group, op="sum", label="shardopt::hf::clip_grad_norm").wait()
-    present = exchange[len(counted):] > 0
-    total = torch.linalg.vector_norm(exchange[: len(counted)][present], 2.0)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for _, grad in mine:
-        grad.detach().mul_(coef.to(grad.device, grad.dtype))
-    return total
+    held = {id(p) for p in oss.params}
+    return clip_params([oss], [p for p in params if id(p) in held], ClipArgs(max_norm))
 
 
 class ShardedTrainer(ShardedTrainerMixin, Trainer):

@@ -1,0 +1,137 @@
+"""Accelerate custom loops with ShardedAccelerator on 2 real ranks: ZeRO-1 (DDP + OSS) and
+ZeRO-2 (ShardedDataParallel + OSS), built in either order around the LR scheduler, train
+exactly like accelerate + DDP with accumulation, a warm-up schedule and clipping by the
+global norm; save_state / load_state resumes exactly."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator
+
+from shardopt.integrations.accelerate import ShardedAccelerator
+from shardopt.nn import ShardedDataParallel
+from shardopt.optim import OSS
+from shardopt.testing import run_ranks
+from tests.helpers.data import max_abs_diff, seeded_mlp
+
+pytestmark = pytest.mark.distributed
+
+CLIP, STEPS, ACCUM = 0.05, 4, 2
+
+
+def _env(rank: int, world_size: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    warnings.filterwarnings("ignore")
+
+
+def _loader(accelerator: Any) -> Any:
+    gen = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=gen), torch.randn(64, 4, generator=gen))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: bool = False) -> dict[str, Any]:
+    """Train STEPS optimizer steps; optionally save after ``save_after`` steps, or load
+    the saved state first and train the remaining steps."""
+    cls = Accelerator if mode == "ddp" else ShardedAccelerator
+    accelerator = cls(gradient_accumulation_steps=ACCUM)
+    model = seeded_mlp()
+    if mode == "ddp":
+        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        if order == "early":  # the trap of issue 26: a state dict taken before the scheduler exists
+            optimizer.consolidate_state_dict(recipient_rank=-1)
+    wrapped: Any = ShardedDataParallel(model, optimizer) if mode == "zero2" else model
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 2))  # warm-up from 0
+    wrapped, optimizer, loader, scheduler = accelerator.prepare(wrapped, optimizer, _loader(accelerator), scheduler)
+    start = 0
+    if load:
+        accelerator.load_state(os.path.join(tmp, f"{mode}-{order}"))
+        start = save_after or 0
+    lrs, norms, done = [], [], 0
+    for batch_idx, (x, y) in enumerate(loader):
+        if batch_idx < start * ACCUM:
+            continue  # the batches the saved run consumed
+        with accelerator.accumulate(wrapped):
+            loss = F.mse_loss(wrapped(x), y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
+                lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            done += 1
+            if save_after is not None and not load and start + done == save_after:
+                accelerator.save_state(os.path.join(tmp, f"{mode}-{order}"))
+            if start + done == STEPS:
+                break
+    if isinstance(wrapped, ShardedDataParallel):
+        wrapped.close()
+    params = [p.detach().clone() for p in model.parameters()]
+    accelerator.free_memory()
+    return {"params": params, "lrs": lrs, "norms": norms}
+
+
+def _loops(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    _env(rank, world_size)
+    out: dict[str, Any] = {}
+    ref = _run("ddp", "late", tmp)
+    out["lrs"] = ref["lrs"]
+    for mode in ("zero1", "zero2"):
+        for order in ("late", "early"):
+            run = _run(mode, order, tmp, save_after=2)
+            key = f"{mode}/{order}"
+            out[key] = max_abs_diff(run["params"], ref["params"])
+            out[f"{key}/lrs"] = run["lrs"] == ref["lrs"]
+            out[f"{key}/norms"] = max(abs(a - b) for a, b in zip(run["norms"], ref["norms"], strict=True))
+            resumed = _run(mode, order, tmp, save_after=2, load=True)
+            out[f"{key}/resumed"] = max_abs_diff(resumed["params"], run["params"])
+    return out
+
+
+def test_sharded_accelerator_trains_like_accelerate_ddp_in_any_call_order_and_resumes() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_loops, 2, tmp, timeout_s=300)
+    for out in results:
+        assert out["lrs"][0] == 0.0, out  # the warm-up starts at 0
+        for mode in ("zero1", "zero2"):
+            for order in ("late", "early"):
+                key = f"{mode}/{order}"
+                assert out[f"{key}/lrs"], out
+                assert out[key] == 0.0 and out[f"{key}/norms"] == 0.0, out
+                assert out[f"{key}/resumed"] == 0.0, out
+
+
+def _partial_clip(rank: int, world_size: int) -> str:
+    _env(rank, world_size)
+    accelerator = ShardedAccelerator()
+    model = seeded_mlp()
+    optimizer = accelerator.prepare(OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1))
+    try:
+        accelerator.clip_grad_norm_(list(model.parameters())[:2], CLIP)
+    except ValueError as e:
+        return str(e)
+    finally:
+        del optimizer
+        accelerator.free_memory()
+    return ""
+
+
+def test_clipping_part_of_an_oss_optimizers_parameters_is_refused() -> None:
+    (message,) = run_ranks(_partial_clip, 1)
+    assert "clip_grad_norm_ got parameters that are not exactly those of the OSS optimizer (2 given, 6" in message
