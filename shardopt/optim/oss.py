@@ -351,17 +351,19 @@ class OSS(Optimizer):
         self._push_hyperparams()
         params = self.params
         self._masters.follow_outside_writes(params)
-        self._masters.fold_grads(params)
         if closure is not None:
             user_closure = closure
 
             def folding_closure() -> float:
+                # Folded after the closure's backward only: folding first moved no_sync sums into
+                # the masters before DDP's reduction in that backward (other ranks' were lost).
                 loss = user_closure()
-                self._masters.fold_grads(params)  # the closure's backward filled param.grad
+                self._masters.fold_grads(params)
                 return loss
 
             loss = self.optim.step(closure=folding_closure, **kwargs)
         else:
+            self._masters.fold_grads(params)
             loss = self.optim.step(**kwargs)
         self._masters.write_back(params)
         self._pull_hyperparams()
