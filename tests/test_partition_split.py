@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from fractions import Fraction
 
 import pytest
@@ -30,7 +31,7 @@ def test_every_row_is_owned_exactly_once_in_contiguous_blocks_on_ascending_ranks
     for i in range(len(sizes)):
         blocks = plan.blocks_of(i)
         assert blocks and blocks[0].row_start == 0 and blocks[-1].row_stop == rows[i]
-        for a, b in zip(blocks, blocks[1:], strict=False):
+        for a, b in itertools.pairwise(blocks):
             assert a.row_stop == b.row_start and a.owner < b.owner  # contiguous, ascending ranks
         assert all(b.num_rows > 0 for b in blocks) or blocks == (Block(i, 0, 0, blocks[0].owner),)
     assert sum(plan.rank_bytes) == sum(sizes)
