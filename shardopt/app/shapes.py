@@ -119,17 +119,21 @@ def read_hf_config(path: str) -> DecoderShape:
     if missing:
         raise ValueError(f"--hf-config {path!r} lacks {', '.join(missing)}; shardopt reads Llama-style decoder "
                          f"configs, which have {', '.join(_REQUIRED)}")
-    heads = config["num_attention_heads"]
     values = {key: config[key] for key in _REQUIRED}
-    values["num_key_value_heads"] = config.get("num_key_value_heads") or heads
-    values["head_dim"] = config.get("head_dim") or (
-        config["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else heads)
+    values["num_key_value_heads"] = config.get("num_key_value_heads", config["num_attention_heads"])
+    if config.get("head_dim") is not None:
+        values["head_dim"] = config["head_dim"]
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--hf-config {path!r}: {key} must be a positive integer, got {value!r}")
+    heads = values["num_attention_heads"]
+    head_dim = values.get("head_dim", values["hidden_size"] // heads)
+    if head_dim < 1:
+        raise ValueError(f"--hf-config {path!r}: hidden_size {values['hidden_size']} over num_attention_heads "
+                         f"{heads} leaves heads of width 0; give head_dim or fix the sizes")
     return DecoderShape(
         vocab_size=values["vocab_size"], hidden_size=values["hidden_size"],
         intermediate_size=values["intermediate_size"], num_layers=values["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=values["num_key_value_heads"], head_dim=values["head_dim"],
+        num_kv_heads=values["num_key_value_heads"], head_dim=head_dim,
         tie_embeddings=bool(config.get("tie_word_embeddings", True)),
         attention_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)))
