@@ -216,8 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "into a bug report.",
                    epilog=_epilog("env"), formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    est = sub.add_parser("estimate", help="model-state bytes per rank (ZeRO paper formulas)",
-                         description="Model-state memory per rank for DDP and ZeRO stages 1/2/3.",
+    est = sub.add_parser("estimate", help="model-state bytes per rank (ZeRO formulas and shardopt's real plans)",
+                         description="Model-state memory per rank for DDP and ZeRO stages 1/2/3 by the ZeRO "
+                                     "paper's formulas and,\nwhen the shapes are known (--model, --hf-config), on "
+                                     "the heaviest rank of shardopt's ownership plans.",
                          epilog=_epilog("estimate"), formatter_class=argparse.RawDescriptionHelpFormatter)
     what = est.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9")
