@@ -42,8 +42,10 @@ ENTRY = "shardopt.__main__"  # ``python -m shardopt``: the application's entry p
 # name or a package above it (``shardopt`` itself names only the package's ``__init__``).
 LEVELS: dict[str, int] = {
     # pure helpers, no shardopt imports
-    "shardopt.failures": 0, "shardopt.files": 0, "shardopt.memory": 0, "shardopt.partition": 0,
+    "shardopt.failures": 0, "shardopt.files": 0, "shardopt.partition": 0,
     "shardopt.placeholders": 0, "shardopt.state_checks": 0,
+    # the ZeRO formulas next to the real ownership plans (reads partition)
+    "shardopt.memory": 1,
     # where each rank is in its collectives (the flight recorder), and the waits that read it
     "shardopt.flight": 1,
     "shardopt.waiting": 2,

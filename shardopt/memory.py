@@ -1,7 +1,10 @@
 """Model-state memory: the ZeRO paper's estimates, and process-level measurements.
 
 Two halves. :func:`estimate_model_states` applies the formulas of the ZeRO paper
-(Rajbhandari et al., 2020, section 3 and Figure 1) to a parameter count. The measuring half
+(Rajbhandari et al., 2020, section 3 and Figure 1) to a parameter count, and
+:func:`estimate_plans` puts next to them what the heaviest rank really holds under
+shardopt's ownership plans (whole parameters as OSS plans today, and the row-split plan of
+:func:`shardopt.partition.plan_split`). The measuring half
 reads what the process really did, for use in any training loop:
 
 - :func:`bytes_sent` reads ``wchar`` from ``/proc/self/io``: every byte this process handed
@@ -23,23 +26,28 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from shardopt.partition import partition_by_size, plan_split
+
 __all__ = [
     "MemoryRecorder",
     "ModelStateEstimate",
+    "PlanEstimate",
     "StepRecord",
     "bytes_sent",
     "capabilities",
     "device_memory",
     "estimate_model_states",
+    "estimate_plans",
     "heap_bytes",
 ]
 
@@ -174,6 +182,119 @@ def estimate_model_states(
     width = 2 if mixed_precision else 4
     return ModelStateEstimate(int(num_params), int(world_size), float(k), width, width, largest_layer_params,
                               master_grad_bytes=4 if mixed_precision else None)
+
+
+# Note [the formula and the plan]
+# The ZeRO formulas divide the sharded bytes by N as if every rank owned Psi / N parameters.
+# OSS gives each parameter whole to one rank (partition_by_size), so the heaviest rank owns at
+# least the largest parameter: on a Llama-3-8B shape (untied 525M-parameter embedding and
+# head) ZeRO-2 with mixed precision holds 23.4 GB on the heaviest rank from 16 ranks up,
+# where the formula promises 17.8 GB at 64 ranks and 16.2 GB at 1024. PlanEstimate replaces
+# Psi / N by the heaviest rank's owned parameters under the real plan, unsplit (today) and
+# split (plan_split, not yet used by OSS), for the sharded terms of stages 1 and 2: stage 1
+# shards the optimizer state (K), stage 2 also the gradients. ZeRO-3 shards FlatParameter
+# units evenly by elements, so its formula row stands.
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """The heaviest rank's model states under shardopt's real ownership plans (Note [the formula and the plan]).
+
+    Attributes:
+        formula: the ZeRO-paper estimate for the same model, world size and precision.
+        unsplit_heaviest_params: parameters (elements) owned by the heaviest rank when
+            every parameter stays whole (:func:`~shardopt.partition.partition_by_size`, as
+            ``OSS`` plans today).
+        split_heaviest_params: the same under :func:`~shardopt.partition.plan_split`.
+        unsplit_imbalance: heaviest rank over the mean, whole parameters.
+        split_imbalance: heaviest rank over the mean, split plan.
+        split_param_count: how many parameters the split plan cuts into row blocks.
+    """
+
+    formula: ModelStateEstimate
+    unsplit_heaviest_params: int
+    split_heaviest_params: int
+    unsplit_imbalance: float
+    split_imbalance: float
+    split_param_count: int
+
+    def _owned(self, split: bool) -> int:
+        return self.split_heaviest_params if split else self.unsplit_heaviest_params
+
+    def stage1(self, split: bool) -> float:
+        """Heaviest rank's bytes with ZeRO-1: replicated parameters and gradients, its own optimizer state."""
+        f = self.formula
+        return (f.param_bytes + f.grad_bytes) * f.num_params + f.optimizer_bytes_per_param * self._owned(split)
+
+    def stage2(self, split: bool) -> float:
+        """Heaviest rank's bytes with ZeRO-2: replicated parameters, its own gradients and optimizer state."""
+        f = self.formula
+        return f.param_bytes * f.num_params + (f.grad_bytes + f.optimizer_bytes_per_param) * self._owned(split)
+
+    def _master_extra(self, split: bool) -> int:
+        f = self.formula
+        return 0 if f.master_grad_bytes is None else (f.master_grad_bytes - f.grad_bytes) * self._owned(split)
+
+    def stage1_at_step(self, split: bool) -> float:
+        """:meth:`stage1` while the owner's gradients are fp32 master gradients (as
+        :attr:`ModelStateEstimate.stage1_at_step`)."""
+        return self.stage1(split) + self._master_extra(split)
+
+    def stage2_at_step(self, split: bool) -> float:
+        """:meth:`stage2` while the owner's gradients are fp32 master gradients."""
+        return self.stage2(split) + self._master_extra(split)
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The plan figures and the heaviest rank's bytes, for JSON."""
+        out: dict[str, float | int] = {
+            "unsplit_heaviest_params": self.unsplit_heaviest_params,
+            "split_heaviest_params": self.split_heaviest_params, "unsplit_imbalance": self.unsplit_imbalance,
+            "split_imbalance": self.split_imbalance, "split_param_count": self.split_param_count}
+        for name, split in (("unsplit", False), ("split", True)):
+            out[f"stage1_{name}_bytes"] = self.stage1(split)
+            out[f"stage2_{name}_bytes"] = self.stage2(split)
+            out[f"stage1_{name}_at_step_bytes"] = self.stage1_at_step(split)
+            out[f"stage2_{name}_at_step_bytes"] = self.stage2_at_step(split)
+        return out
+
+
+def estimate_plans(
+    shapes: Sequence[Sequence[int]],
+    world_size: int,
+    mixed_precision: bool = True,
+    optimizer_bytes_per_param: float | None = None,
+) -> PlanEstimate:
+    """The heaviest rank's ZeRO-1/2 model states under the whole-parameter and the row-split plan.
+
+    How it works: each parameter's bytes (numel times the parameter width) and dim-0 length
+    go to :func:`~shardopt.partition.partition_by_size` and
+    :func:`~shardopt.partition.plan_split` exactly as OSS would plan them (every parameter
+    trainable); the heaviest rank's owned parameters replace ``Psi / N`` in the sharded terms.
+
+    Args:
+        shapes: each parameter's shape, in module order (``()`` for a 0-dim parameter).
+        world_size: data-parallel ranks (N).
+        mixed_precision: as :func:`estimate_model_states`.
+        optimizer_bytes_per_param: K, as :func:`estimate_model_states`.
+
+    Returns:
+        The :class:`PlanEstimate` (its ``formula`` is :func:`estimate_model_states`'s).
+
+    Raises:
+        ValueError: no parameters, or as :func:`estimate_model_states`.
+    """
+    numels = [math.prod(shape) for shape in shapes]
+    if not numels or sum(numels) < 1:
+        raise ValueError(f"shapes must describe at least one parameter element, got {len(numels)} shapes with "
+                         f"{sum(numels)} elements")
+    formula = estimate_model_states(sum(numels), world_size, mixed_precision, optimizer_bytes_per_param,
+                                    largest_layer_params=max(numels))
+    width = formula.param_bytes
+    sizes = [n * width for n in numels]
+    whole = partition_by_size(sizes, world_size)
+    split = plan_split(sizes, [shape[0] if len(shape) else 1 for shape in shapes], world_size)
+    return PlanEstimate(formula, max(whole.rank_bytes) // width, max(split.rank_bytes) // width,
+                        whole.imbalance, split.imbalance, len(split.split_params))
 
 
 # ---------------------------------------------------------------------- measuring

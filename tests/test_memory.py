@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shardopt import memory
+from shardopt.app.shapes import SHAPE_PRESETS
 from shardopt.testing import run_ranks
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -48,6 +49,38 @@ def test_estimate_rejects_bad_inputs_with_the_value() -> None:
         memory.estimate_model_states(0, 2)
     with pytest.raises(ValueError, match="optimizer_bytes_per_param must be >= 0"):
         memory.estimate_model_states(10, 2, optimizer_bytes_per_param=-1)
+
+
+def test_llama3_8b_whole_parameter_plan_is_4_19_16_7_67x_off_and_the_split_plan_within_1_05() -> None:
+    shapes = SHAPE_PRESETS["llama3-8b"].shapes()
+    # issue 27 quotes 4.19x, 16.8x and 67x: the heaviest rank holds a whole 525M-parameter embedding
+    # (16.747x at 256 ranks); the row-split plan cuts it and the head (and at 256+ ranks the MLPs) by rows
+    for ranks, unsplit in ((64, 4.19), (256, 16.75), (1024, 66.99)):
+        plan = memory.estimate_plans(shapes, ranks)
+        assert round(plan.unsplit_imbalance, 2) == unsplit, (ranks, plan.unsplit_imbalance)
+        assert plan.split_imbalance <= 1.05, (ranks, plan.split_imbalance)
+        assert plan.unsplit_heaviest_params == 128256 * 4096
+        # ZeRO-2, mixed: 2 bytes replicated + 14 on the heaviest rank's own parameters
+        assert plan.stage2(False) == 2 * 8_030_261_248 + 14 * 128256 * 4096
+        assert plan.stage2(True) <= 1.05 * plan.formula.stage2
+    at_1024 = memory.estimate_plans(shapes, 1024)
+    assert round(at_1024.formula.stage2 / 1e9, 1) == 16.2 and round(at_1024.stage2(False) / 1e9, 1) == 23.4
+
+
+def test_plan_estimate_counts_the_heaviest_ranks_own_parameters() -> None:
+    # 3 ranks, a 6x2 matrix and two 4-element vectors (20 parameters): whole, one rank owns the 12-element
+    # matrix; split, the vectors go to ranks 0 and 1 and the matrix's rows fill the ranks to 20/3 rounded down
+    # to whole rows: 1 row to rank 0, 1 to rank 1, 4 to rank 2 (8 elements, within one row of 20/3)
+    plan = memory.estimate_plans([(6, 2), (4,), (4,)], 3, mixed_precision=False)
+    assert (plan.unsplit_heaviest_params, plan.unsplit_imbalance) == (12, 12 / (20 / 3))
+    assert plan.split_param_count == 1 and plan.split_heaviest_params == 8
+    assert plan.stage1(False) == 8 * 20 + 8 * 12 and plan.stage2(True) == 4 * 20 + 12 * 8
+    assert plan.stage2_at_step(True) == plan.stage2(True)  # fp32: no master gradients
+    mixed = memory.estimate_plans([(6, 2), (4,), (4,)], 3)
+    assert mixed.stage2_at_step(False) == mixed.stage2(False) + 2 * 12
+    assert mixed.as_dict()["stage1_split_at_step_bytes"] == mixed.stage1_at_step(True)
+    with pytest.raises(ValueError, match="shapes must describe at least one parameter element, got 0 shapes"):
+        memory.estimate_plans([], 2)
 
 
 def test_heap_reads_a_10_mib_tensor_as_10_mib() -> None:

@@ -7,7 +7,8 @@
 - ``shardopt bench`` runs several modes one after another, each in its own process group,
   on the same model, data and seed, and compares them with DDP (see
   :mod:`shardopt.app.bench`).
-- ``shardopt estimate`` prints the ZeRO paper's model-state bytes per rank.
+- ``shardopt estimate`` prints the ZeRO paper's model-state bytes per rank and, for a model
+  with known shapes, the heaviest rank under shardopt's real plans (whole and row-split).
 
 Each subcommand's ``--help`` ends with examples (:data:`EXAMPLES`; a test parses every one).
 ``--json -`` writes the JSON to standard output and everything else to standard error.
@@ -34,7 +35,8 @@ from shardopt.app.modes import MODES, bench_names, get_mode, resolve
 from shardopt.app.precision import PRECISIONS, REDUCE_DTYPES, Precision
 from shardopt.app.render import JSON_TO_STDOUT
 from shardopt.app.runner import DEVICE_CHOICES, TrainJob
-from shardopt.memory import estimate_model_states
+from shardopt.app.shapes import SHAPE_PRESETS, read_hf_config
+from shardopt.memory import PlanEstimate, estimate_model_states, estimate_plans
 
 __all__ = ["EXAMPLES", "build_parser", "main"]
 
@@ -53,8 +55,10 @@ EXAMPLES = {
     ),
     "estimate": (
         ("shardopt estimate --params 7.5e9 --world-size 64", "the ZeRO paper's example: 120 / 31.4 / 16.6 / 1.9 GB"),
-        ("shardopt estimate --model 27m --world-size 8 --fp32", "a built-in model, fp32 Adam"),
-        ("shardopt estimate --model torchvision.models:resnet50 --world-size 4 --json -", "any model factory"),
+        ("shardopt estimate --model llama3-8b --world-size 64 --plot llama.png",
+         "the heaviest rank of the real plan, whole and split, and bytes per rank for N = 1 to 1024"),
+        ("shardopt estimate --hf-config path/to/config.json --world-size 8 --fp32 --json -",
+         "a Hugging Face model's shapes, fp32 Adam"),
     ),
     "convert": (
         ("shardopt convert out/ckpt-sharded out/hf/model.safetensors",
@@ -212,12 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
                                "into a bug report.",
                    epilog=_epilog("env"), formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    est = sub.add_parser("estimate", help="model-state bytes per rank (ZeRO paper formulas)",
-                         description="Model-state memory per rank for DDP and ZeRO stages 1/2/3.",
+    est = sub.add_parser("estimate", help="model-state bytes per rank (ZeRO formulas and shardopt's real plans)",
+                         description="Model-state memory per rank for DDP and ZeRO stages 1/2/3 by the ZeRO "
+                                     "paper's formulas and,\nwhen the shapes are known (--model, --hf-config), on "
+                                     "the heaviest rank of shardopt's ownership plans.",
                          epilog=_epilog("estimate"), formatter_class=argparse.RawDescriptionHelpFormatter)
     what = est.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9")
-    what.add_argument("--model", help="a preset name or package.module:factory returning an nn.Module")
+    what.add_argument("--model", help="a preset name (llama3-8b: shapes only; or a built-in GPT) or "
+                      "package.module:factory returning an nn.Module")
+    what.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json of a Llama-style decoder "
+                      "(its shapes; nothing is downloaded or built)")
     est.add_argument("--world-size", type=_ranks, required=True, help="data-parallel ranks")
     est.add_argument("--fp32", action="store_true", help="fp32 params/grads (default: mixed precision: bf16 "
                      "params with fp32 masters, as --precision bf16-master)")
@@ -225,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
     est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON; - writes it to "
                      "standard output (the table goes to standard error)")
+    est.add_argument("--plot", metavar="PNG", default=None, help="draw bytes per rank against N = 1 to 1024, mixed "
+                     "precision and fp32 (needs matplotlib)")
     _add_convert(sub)
     return parser
 
@@ -480,7 +491,7 @@ def _load_factory(command: str, spec: str) -> torch.nn.Module:
         return GPT(PRESETS[spec])
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        _fail(command, f"--model {spec!r} must be a preset ({', '.join(sorted(PRESETS))}) or "
+        _fail(command, f"--model {spec!r} must be a preset ({', '.join(sorted([*PRESETS, *SHAPE_PRESETS]))}) or "
               "package.module:factory, e.g. torchvision.models:resnet50")
     import importlib
 
@@ -499,29 +510,61 @@ def _load_factory(command: str, spec: str) -> torch.nn.Module:
     return model
 
 
+def _estimate_shapes(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
+    """The parameter shapes ``estimate`` plans with, or ``None`` for a bare ``--params`` count."""
+    if args.hf_config is not None:
+        try:
+            return read_hf_config(args.hf_config).shapes()
+        except ValueError as exc:
+            _fail("estimate", str(exc))
+    if args.model is None:
+        return None
+    if args.model in SHAPE_PRESETS:
+        return SHAPE_PRESETS[args.model].shapes()
+    with torch.device("meta"):
+        model = _load_factory("estimate", args.model)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    if not shapes:
+        _fail("estimate", f"--model {args.model!r} has no parameters")
+    return shapes
+
+
 def _estimate(args: argparse.Namespace) -> int:
     if args.json:
         _check_writable("estimate", "--json", args.json, folder=False, why="the result is written there")
-    largest = None
-    if args.model is not None:
-        with torch.device("meta"):
-            model = _load_factory("estimate", args.model)
-        sizes = [p.numel() for p in model.parameters()]
-        if not sizes:
-            _fail("estimate", f"--model {args.model!r} has no parameters")
-        num_params, largest = sum(sizes), max(sizes)
-    else:
-        num_params = args.params
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            _fail("estimate", "--plot needs matplotlib, which is not installed; pip install matplotlib, or drop "
+                  "--plot")
+        _check_writable("estimate", "--plot", args.plot, folder=False, why="the plot is written there")
+    shapes = _estimate_shapes(args)
+    plan: PlanEstimate | None = None
     try:
-        est = estimate_model_states(num_params, args.world_size, mixed_precision=not args.fp32,
-                                    optimizer_bytes_per_param=args.optimizer_bytes, largest_layer_params=largest)
+        if shapes is None:
+            est = estimate_model_states(args.params, args.world_size, mixed_precision=not args.fp32,
+                                        optimizer_bytes_per_param=args.optimizer_bytes)
+        else:
+            plan = estimate_plans(shapes, args.world_size, mixed_precision=not args.fp32,
+                                  optimizer_bytes_per_param=args.optimizer_bytes)
+            est = plan.formula
     except ValueError as exc:
         _fail("estimate", str(exc))
-    from shardopt.app.render import estimate_rows, render_estimate, write_json
+    from shardopt.app.render import estimate_rows, render_estimate, render_plan, write_json
 
     render_estimate(est, stderr=args.json == JSON_TO_STDOUT)
+    if plan is not None:
+        render_plan(plan, stderr=args.json == JSON_TO_STDOUT)
+    if args.plot:
+        from shardopt.app.estimate_plot import plot_estimate
+
+        what = args.model or args.hf_config or f"{args.params:.3g} parameters"
+        plot_estimate(args.plot, shapes if shapes is not None else args.params, what,
+                      optimizer_bytes_per_param=args.optimizer_bytes)
     if args.json:
-        write_json(args.json, {"command": "estimate", **est.as_dict(), "rows": estimate_rows(est), "unit": "bytes"})
+        write_json(args.json, {"command": "estimate", **est.as_dict(), "rows": estimate_rows(est), "unit": "bytes",
+                               "plan": None if plan is None else plan.as_dict()})
     return 0
 
 

@@ -27,9 +27,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardopt.app import runner
 from shardopt.files import atomic_write
-from shardopt.memory import GB, ModelStateEstimate, capabilities
+from shardopt.memory import GB, ModelStateEstimate, PlanEstimate, capabilities
 
 __all__ = ["JSON_TO_STDOUT", "demo_rank", "demo_table", "estimate_rows", "machine_info", "mib", "render_estimate",
+           "render_plan",
            "stdout_kept_for_json", "write_json"]
 
 JSON_TO_STDOUT = "-"
@@ -268,3 +269,56 @@ def render_estimate(est: ModelStateEstimate, stderr: bool = False) -> None:
     if est.largest_layer_params is not None:
         console.print(f"largest parameter tensor: {est.largest_layer_params:,} params; ZeRO-3 gathers at least "
                         f"{est.largest_layer_params * est.param_bytes / GB:.3f} GB at once")
+
+
+def plan_rows(plan: PlanEstimate) -> list[dict[str, Any]]:
+    """The heaviest rank under each real plan, as plain values: stage, plan, bytes, bytes
+    during the step, imbalance and the ratio to the formula (Note [the formula and the plan]).
+
+    Args:
+        plan: the plan estimate.
+
+    Returns:
+        ZeRO-1 whole, ZeRO-1 split, ZeRO-2 whole, ZeRO-2 split.
+    """
+    f = plan.formula
+    rows = []
+    for stage, formula, bytes_of, at_step_of in (("ZeRO-1", f.stage1, plan.stage1, plan.stage1_at_step),
+                                                 ("ZeRO-2", f.stage2, plan.stage2, plan.stage2_at_step)):
+        for split in (False, True):
+            value = bytes_of(split)
+            rows.append({"stage": stage, "plan": "row-split (planned; not in OSS yet)" if split else
+                         "whole parameters (OSS today)", "bytes": value, "at_step_bytes": at_step_of(split),
+                         "imbalance": plan.split_imbalance if split else plan.unsplit_imbalance,
+                         "vs_formula": value / formula})
+    return rows
+
+
+def render_plan(plan: PlanEstimate, stderr: bool = False) -> None:
+    """Print the heaviest rank of the real ownership plans next to the formula.
+
+    Args:
+        plan: the plan estimate.
+        stderr: print on standard error.
+    """
+    f = plan.formula
+    mixed = f.param_bytes == 2
+    table = Table(title=f"heaviest rank under shardopt's ownership plans: {f.world_size} ranks",
+                  caption="imbalance = heaviest rank's owned parameters over the mean; whole parameters: "
+                          "shardopt.partition.partition_by_size, what OSS and ShardedDataParallel do today; "
+                          f"row-split: shardopt.partition.plan_split ({plan.split_param_count} parameters cut into "
+                          "dim-0 row blocks), which OSS and ShardedDataParallel do not use yet (issue 27); ZeRO-3 "
+                          "shards evenly by elements, as its formula row")
+    table.add_column("stage", no_wrap=True)
+    table.add_column("plan")
+    table.add_column("GB, heaviest rank", justify="right")
+    if mixed:
+        table.add_column("GB during the step", justify="right")
+    table.add_column("imbalance", justify="right")
+    table.add_column("vs formula", justify="right")
+    for row in plan_rows(plan):
+        step = (_gb(row["at_step_bytes"]),) if mixed else ()
+        table.add_row(row["stage"], row["plan"], _gb(row["bytes"]), *step, f"{row['imbalance']:.3f}x",
+                      f"{row['vs_formula']:.3f}x")
+    console = Console(stderr=stderr)
+    (console if console.is_terminal else Console(width=160, stderr=stderr)).print(table)

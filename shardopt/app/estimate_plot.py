@@ -1,0 +1,88 @@
+"""``shardopt estimate --plot``: model-state bytes per rank against the number of ranks.
+
+Two panels (bf16 parameters with fp32 masters and Adam, K = 12; fp32 Adam, K = 8), N from 1
+to 1024 on a log axis: DDP, ZeRO-1, ZeRO-2 and ZeRO-3 by the ZeRO paper's formulas
+(:func:`shardopt.memory.estimate_model_states`), and, when the shapes are known, the heaviest
+rank under the real plans (:func:`shardopt.memory.estimate_plans`): ZeRO-1 and ZeRO-2 with
+whole parameters (OSS today) and ZeRO-2 with large parameters split by rows (planned).
+Needs matplotlib; the command checks for it before calling here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import matplotlib
+import matplotlib.ticker
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from shardopt.memory import GB, estimate_model_states, estimate_plans
+
+__all__ = ["RANKS", "plot_estimate"]
+
+RANKS: tuple[int, ...] = tuple(sorted({round(2 ** (i / 4)) for i in range(41)}))  # 1 .. 1024 on a log axis
+"""The world sizes each curve is evaluated at."""
+
+
+def _curves(model: Sequence[tuple[int, ...]] | int, mixed: bool,
+            optimizer_bytes_per_param: float | None) -> dict[str, list[float]]:
+    """Bytes per rank at each of :data:`RANKS`, per curve label."""
+    curves: dict[str, list[float]] = {}
+    for n in RANKS:
+        if isinstance(model, int):
+            formula, plan = estimate_model_states(model, n, mixed, optimizer_bytes_per_param), None
+        else:
+            plan = estimate_plans(model, n, mixed, optimizer_bytes_per_param)
+            formula = plan.formula
+        points = {"DDP": formula.ddp, "ZeRO-1 (formula)": formula.stage1, "ZeRO-2 (formula)": formula.stage2,
+                  "ZeRO-3 (formula)": formula.stage3}
+        if plan is not None:
+            points.update({"ZeRO-1, whole parameters (OSS today)": plan.stage1(False),
+                           "ZeRO-2, whole parameters (today)": plan.stage2(False),
+                           "ZeRO-2, large parameters split by rows (planned)": plan.stage2(True)})
+        for label, value in points.items():
+            curves.setdefault(label, []).append(value)
+    return curves
+
+
+_STYLE = {  # label: (colour, line style)
+    "DDP": ("#444444", "-"), "ZeRO-1 (formula)": ("#e08a1e", ":"), "ZeRO-2 (formula)": ("#2a7ab9", ":"),
+    "ZeRO-3 (formula)": ("#3a9a4a", "-"), "ZeRO-1, whole parameters (OSS today)": ("#e08a1e", "-"),
+    "ZeRO-2, whole parameters (today)": ("#c0392b", "-"),
+    "ZeRO-2, large parameters split by rows (planned)": ("#2a7ab9", "--"),
+}
+
+
+def plot_estimate(path: str, model: Sequence[tuple[int, ...]] | int, what: str,
+                  optimizer_bytes_per_param: float | None = None) -> None:
+    """Draw bytes per rank against N (1 to 1024) for mixed precision and fp32 and write a PNG.
+
+    Args:
+        path: the PNG (missing folders are created).
+        model: every parameter's shape, or a bare parameter count (formula curves only).
+        what: the model's name for the title.
+        optimizer_bytes_per_param: K for both panels (default 12 mixed, 8 fp32).
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, mixed in zip(axes, (True, False), strict=True):
+        for label, values in _curves(model, mixed, optimizer_bytes_per_param).items():
+            colour, style = _STYLE[label]
+            ax.plot(RANKS, [v / GB for v in values], color=colour, linestyle=style, lw=2, label=label)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.set_yscale("log")
+        ax.set_xlim(1, 1024)
+        ax.set_xlabel("data-parallel ranks N")
+        ax.set_title("bf16 parameters, fp32 masters + Adam" if mixed else "fp32 parameters, Adam", fontsize=10)
+        ax.grid(True, which="both", alpha=0.25)
+    axes[0].set_ylabel("model-state GB on the heaviest rank")
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"Model states per rank: {what} (shardopt estimate; activations and buffers not counted)",
+                 fontsize=11)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
