@@ -37,6 +37,14 @@ parameters also need ``fp16=True``: Accelerate's loss scaling, with a ShardedGra
 unscales the masters' fp32 gradients. After ``train()`` the model holds the low-precision
 weights. Tables: docs/integrations-precision.md.
 
+Note [fp16 parameters without autocast]
+Accelerate makes a loss scaler for ``fp16=True`` only on a GPU-like device (on a CPU it sets
+neither autocast nor a scaler, silently). fp16 parameters need loss scaling wherever they
+live, so with ``Sharding(param_dtype=torch.float16)`` and no scaler from Accelerate the mixin
+installs a ShardedGradScaler itself: Accelerate's ``backward`` scales the loss with it and its
+optimizer wrapper steps through it; clipping unscales through it directly, since
+``accelerator.unscale_gradients`` does nothing without native AMP.
+
 Note [Accelerate reads the optimizer's state dict]
 ``accelerator.prepare(optimizer)`` wraps it in an ``AcceleratedOptimizer`` that calls
 ``optimizer.state_dict()`` at once (to move the state to the device) and loads it back.
@@ -198,7 +206,9 @@ class ShardedTrainerMixin(_Base):
         (an inf/nan in one rank's shard makes every rank skip the step)."""
         super().create_accelerator_and_postprocess()
         scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+        if scaler is None and self.sharding.param_dtype == torch.float16:  # Note [fp16 parameters without autocast]
+            self.accelerator.scaler = ShardedGradScaler(device=self.args.device.type)
+        elif scaler is not None and not isinstance(scaler, ShardedGradScaler):
             self.accelerator.scaler = ShardedGradScaler(
                 init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
                 backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
@@ -307,7 +317,11 @@ class ShardedTrainerMixin(_Base):
         return self._global_norm(float("inf"))
 
     def _global_norm(self, max_norm: float) -> torch.Tensor:
-        self.accelerator.unscale_gradients()  # fp16: clip the true gradients (no-op otherwise)
+        scaler = self.accelerator.scaler
+        if scaler is not None and not self.accelerator.native_amp:  # Note [fp16 parameters without autocast]
+            scaler.unscale_(_inner_optimizer(self.optimizer))
+        else:
+            self.accelerator.unscale_gradients()  # fp16: clip the true gradients (no-op otherwise)
         if self._root is not None:
             return self._root.clip_grad_norm_(max_norm)
         return clip_in_module_order(self._oss(), list(self._plain_model().parameters()), max_norm)
