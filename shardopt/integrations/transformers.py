@@ -184,6 +184,7 @@ class ShardedTrainerMixin(_Base):
         self._root: FullyShardedDataParallel | None = None
         self._wrapper: nn.Module | None = None
         self._shapes: dict[str, torch.Size] = {}
+        self._gathered: dict[str, Any] | None = None
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module) and self.sharding.param_dtype is not None:
             _to_low_precision(model, self.sharding.param_dtype, keep_fp32=self.sharding.stage == 3)
@@ -328,9 +329,9 @@ class ShardedTrainerMixin(_Base):
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
-        """Stage 3: gather the full state dict (every rank calls this) for rank 0 to write."""
+        """Stage 3: write the full state dict :meth:`save_model` gathered on every rank."""
         if self._root is not None and state_dict is None:
-            state_dict = self._root.state_dict(rank0_only=True)
+            state_dict = self._gathered if self._gathered is not None else self._root.state_dict(rank0_only=True)
         super()._save(output_dir, state_dict=state_dict)
 
     def _sharded_target(self) -> tuple[nn.Module, Optimizer, dict[str, torch.Size]]:
@@ -343,6 +344,15 @@ class ShardedTrainerMixin(_Base):
         """``Trainer.save_model``; with ``checkpoint="sharded"`` a checkpoint's weights are
         written with the optimizer's shards instead (only the model's config here), so no
         rank gathers the full model."""
+        if self._root is not None and (self.sharding.checkpoint is not CheckpointKind.SHARDED or not _internal_call):
+            # The gather is a collective: every rank runs it here, since transformers < 5.23
+            # calls _save on the writing rank only (5.23 on every rank).
+            self._gathered = self._root.state_dict(rank0_only=True)
+            try:
+                super().save_model(output_dir, _internal_call)
+            finally:
+                self._gathered = None
+            return
         if self.sharding.checkpoint is not CheckpointKind.SHARDED or not _internal_call:
             super().save_model(output_dir, _internal_call)
             return
