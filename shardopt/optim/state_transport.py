@@ -116,7 +116,9 @@ def refuse_stale_masters(snapshot: Snapshot, params: Sequence[torch.Tensor], ran
     """
     for i, (p, version) in enumerate(zip(params, snapshot.versions, strict=True)):
         master = snapshot.state.get(i, {}).get(MASTER_KEY)
-        if p._version != version and master is not None and not torch.equal(master.to(p.dtype), p.detach().cpu()):
+        if p._version == version or master is None:
+            continue
+        if not torch.equal(master.to(p.dtype), p.detach().cpu()):  # host-read: in state_dict(), after a write only
             raise RuntimeError(
                 f"[rank {rank}] OSS.state_dict(): parameter {i} was written after consolidate_state_dict(), so "
                 "the consolidated fp32 masters are stale; call optimizer.consolidate_state_dict(recipient_rank) "
