@@ -1,7 +1,8 @@
 """Accelerate custom loops with ShardedAccelerator on 2 real ranks: ZeRO-1 (DDP + OSS) and
-ZeRO-2 (ShardedDataParallel + OSS), built in either order around the LR scheduler, train
-exactly like accelerate + DDP with accumulation, a warm-up schedule and clipping by the
-global norm; save_state / load_state resumes exactly."""
+ZeRO-2 (ShardedDataParallel + OSS), built in either order around the LR scheduler, and
+ZeRO-3 (FullyShardedDataParallel + a plain optimizer) train like accelerate + DDP with
+accumulation, a warm-up schedule and clipping by the global norm; save_state / load_state
+resumes exactly."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ pytest.importorskip("accelerate")
 from accelerate import Accelerator
 
 from shardopt.integrations.accelerate import ShardedAccelerator
-from shardopt.nn import ShardedDataParallel
+from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
+from tests.helpers.clip import NORM_RTOL, clip_with_fed_norm
 from tests.helpers.data import max_abs_diff, seeded_mlp
 
 pytestmark = pytest.mark.distributed
@@ -42,14 +44,19 @@ def _loader(accelerator: Any) -> Any:
     return torch.utils.data.DataLoader(data, batch_size=4)
 
 
-def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: bool = False) -> dict[str, Any]:
+def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: bool = False,
+         fed_norms: list[float] | None = None) -> dict[str, Any]:
     """Train STEPS optimizer steps; optionally save after ``save_after`` steps, or load
-    the saved state first and train the remaining steps."""
+    the saved state first and train the remaining steps. ``fed_norms``: the DDP run clips
+    by these total norms (Note [fed clip norms] in tests/helpers/clip.py)."""
     cls = Accelerator if mode == "ddp" else ShardedAccelerator
     accelerator = cls(gradient_accumulation_steps=ACCUM)
     model = seeded_mlp()
-    if mode == "ddp":
+    if mode == "zero3":
+        model = FullyShardedDataParallel(model)
         optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    elif mode == "ddp":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
         optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
         if order == "early":  # the trap of issue 26: a state dict taken before the scheduler exists
@@ -69,7 +76,10 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
             loss = F.mse_loss(wrapped(x), y)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
-                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
+                if fed_norms is not None:
+                    norms.append(float(clip_with_fed_norm(model.parameters(), CLIP, fed_norms[len(norms)])))
+                else:
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
                 lrs.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
             scheduler.step()
@@ -82,7 +92,10 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
                 break
     if isinstance(wrapped, ShardedDataParallel):
         wrapped.close()
-    params = [p.detach().clone() for p in model.parameters()]
+    if isinstance(model, FullyShardedDataParallel):
+        params = list(model.state_dict().values())  # the full parameters (a collective)
+    else:
+        params = [p.detach().clone() for p in model.parameters()]
     accelerator.free_memory()
     return {"params": params, "lrs": lrs, "norms": norms}
 
@@ -101,6 +114,14 @@ def _loops(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             out[f"{key}/norms"] = max(abs(a - b) for a, b in zip(run["norms"], ref["norms"], strict=True))
             resumed = _run(mode, order, tmp, save_after=2, load=True)
             out[f"{key}/resumed"] = max_abs_diff(resumed["params"], run["params"])
+    zero3 = _run("zero3", "late", tmp, save_after=2)
+    out["zero3"] = max_abs_diff(zero3["params"], ref["params"])
+    out["zero3/lrs"] = zero3["lrs"] == ref["lrs"]
+    out["zero3/norms"] = max(abs(a - b) / b for a, b in zip(zero3["norms"], ref["norms"], strict=True))
+    fed = _run("ddp", "late", tmp, fed_norms=zero3["norms"])
+    out["zero3/fed"] = max_abs_diff(zero3["params"], fed["params"])
+    resumed = _run("zero3", "late", tmp, save_after=2, load=True)
+    out["zero3/resumed"] = max_abs_diff(resumed["params"], zero3["params"])
     return out
 
 
@@ -115,6 +136,13 @@ def test_sharded_accelerator_trains_like_accelerate_ddp_in_any_call_order_and_re
                 assert out[f"{key}/lrs"], out
                 assert out[key] == 0.0 and out[f"{key}/norms"] == 0.0, out
                 assert out[f"{key}/resumed"] == 0.0, out
+        # ZeRO-3: the unit's reduce-scatter sums the same two fp32 gradients as DDP's
+        # all-reduce, but its clip norm is summed from per-rank pieces and may differ from
+        # torch's in the last bits (NORM_RTOL; Note [fed clip norms]): against DDP clipping
+        # by ZeRO-3's own norms it is exact (measured against plain DDP: 3.0e-8).
+        assert out["zero3/lrs"] and out["zero3/norms"] <= NORM_RTOL, out
+        assert out["zero3/fed"] == 0.0, out
+        assert out["zero3/resumed"] == 0.0, out
 
 
 def _partial_clip(rank: int, world_size: int) -> str:
@@ -135,3 +163,26 @@ def _partial_clip(rank: int, world_size: int) -> str:
 def test_clipping_part_of_an_oss_optimizers_parameters_is_refused() -> None:
     (message,) = run_ranks(_partial_clip, 1)
     assert "clip_grad_norm_ got parameters that are not exactly those of the OSS optimizer (2 given, 6" in message
+
+
+def _optimizer_first(rank: int, world_size: int, tmp: str) -> str:
+    _env(rank, world_size)
+    accelerator = ShardedAccelerator()
+    model = FullyShardedDataParallel(seeded_mlp())
+    optimizer, model = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    try:
+        accelerator.save_state(tmp)
+    except ValueError as e:
+        return str(e)
+    finally:
+        del optimizer, model
+        accelerator.free_memory()
+    return ""
+
+
+def test_zero3_state_of_an_optimizer_prepared_before_its_model_is_refused() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (message,) = run_ranks(_optimizer_first, 1, tmp)
+    assert message.startswith("save_state: an optimizer over a FullyShardedDataParallel model's shards was "
+                              "prepared before the model"), message
+    assert "prepare the model first" in message

@@ -301,3 +301,48 @@ def test_state_follows_parameters_when_ownership_moves() -> None:
             assert r["moved"] > 0, "the test must move at least one parameter to another rank"
             assert r["frozen_same"] and r["thawed_same"] and r["added_keeps_old"], r
             assert r["added_groups"] == 2
+
+
+def _freshness(rank: int, world_size: int) -> dict[str, Any]:
+    """Note [snapshot freshness]: hyperparameters read at state_dict() time, a step or a
+    changed parameter refuses the snapshot."""
+    out: dict[str, Any] = {}
+    model = seeded_mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=2e-3)
+    opt.consolidate_state_dict(recipient_rank=-1)  # before the scheduler exists (issue 26's order)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 2))  # warm-up from 0
+    out["lr_seen"] = opt.state_dict()["param_groups"][0]["lr"]
+    opt.load_state_dict(opt.state_dict())  # Accelerate's prepare round trip
+    out["lr_after_round_trip"] = opt.param_groups[0]["lr"]
+    _train(model, opt, rank, range(1))
+    try:
+        opt.state_dict()
+        out["after_step"] = ""
+    except RuntimeError as e:
+        out["after_step"] = str(e)
+    low = seeded_mlp(dtype=torch.bfloat16)
+    masters = OSS(low.parameters(), optim=torch.optim.AdamW, lr=2e-3, master_dtype=torch.float32)
+    low(rank_batch(rank, 0).to(torch.bfloat16)).sum().backward()
+    masters.step()
+    masters.consolidate_state_dict(recipient_rank=-1)
+    with torch.no_grad():
+        for p in low.parameters():
+            p.copy_(p.clone())  # the same values (as DDP's broadcast at construction)
+    out["same_values_ok"] = bool(masters.state_dict()["state"])
+    with torch.no_grad():
+        next(iter(low.parameters())).add_(1.0)  # a weight load after the consolidation
+    try:
+        masters.state_dict()
+        out["written"] = ""
+    except RuntimeError as e:
+        out["written"] = str(e)
+    return out
+
+
+def test_state_dict_reads_hyperparameters_now_and_refuses_a_snapshot_older_than_a_step_or_a_weight_write() -> None:
+    for out in run_ranks(_freshness, 2):
+        assert out["lr_seen"] == 0.0 and out["lr_after_round_trip"] == 0.0, out
+        assert "has no consolidated state: call optimizer.consolidate_state_dict" in out["after_step"], out
+        assert out["same_values_ok"], out
+        assert "parameter 0 was written after consolidate_state_dict()" in out["written"], out
+        assert "call optimizer.consolidate_state_dict(recipient_rank) on every rank again" in out["written"], out

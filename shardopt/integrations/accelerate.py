@@ -31,6 +31,14 @@ Three things go wrong with a plain ``Accelerator`` (measured at 2 ranks, issue 2
   consolidated onto every rank first (each rank holds the full optimizer state for the
   length of the save); ``load_state`` loads the plain state dict, resharded by OSS at any
   world size.
+* ZeRO-3: the plain optimizer over a FullyShardedDataParallel model's flat shards holds a
+  different slice on every rank, and ``save_state`` writes rank 0's only, so ``load_state``
+  would give rank 0's slice to every rank. Here such an optimizer is prepared as a
+  :class:`_ShardedStateOptimizer`: its ``state_dict()`` is the full, name-keyed state
+  (``FullyShardedDataParallel.full_optim_state_dict``, a collective that ``save_state`` runs
+  on every rank; rank 0's is written) and ``load_state_dict`` cuts it to this rank's slices
+  (``shard_full_optim_state_dict``, at any world size). The model's weights go through the
+  wrapper's own full ``state_dict()`` / ``load_state_dict`` (collectives as well).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
@@ -55,6 +64,24 @@ def _inner_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+class _ShardedStateOptimizer(AcceleratedOptimizer):
+    """An ``AcceleratedOptimizer`` over a FullyShardedDataParallel model's shards whose
+    state dict is the full, name-keyed one (Note [Accelerate and sharded optimizers])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, root: FullyShardedDataParallel, scaler: Any) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=scaler)
+        self.root = root
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state on every rank (a collective over the model's ranks)."""
+        return FullyShardedDataParallel.full_optim_state_dict(self.root, self.optimizer, rank0_only=False)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state dict (from :meth:`state_dict`, any world size) as this rank's slices."""
+        self.optimizer.load_state_dict(
+            FullyShardedDataParallel.shard_full_optim_state_dict(state_dict, self.root, self.optimizer))
+
+
 class ShardedAccelerator(Accelerator):
     """``accelerate.Accelerator`` that prepares, clips and checkpoints shardopt's ZeRO-1/2/3
     correctly whatever the order of the user's calls (Note [Accelerate and sharded
@@ -62,9 +89,34 @@ class ShardedAccelerator(Accelerator):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         """Accelerate's ``prepare_optimizer``; an OSS without the state round trip."""
-        if isinstance(_inner_optimizer(optimizer), OSS):
+        inner = _inner_optimizer(optimizer)
+        if isinstance(inner, OSS):
             device_placement = False
+        root = self._fsdp_root_of(inner)
+        if root is not None:
+            prepared = _ShardedStateOptimizer(inner, root, self.scaler)
+            self._optimizers.append(prepared)
+            return prepared
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def _fsdp_root_of(self, optimizer: torch.optim.Optimizer) -> FullyShardedDataParallel | None:
+        """The prepared FullyShardedDataParallel model whose parameters ``optimizer`` steps."""
+        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for model in self._models:
+            if isinstance(model, FullyShardedDataParallel) and params & {id(p) for p in model.parameters()}:
+                return model
+        return None
+
+    def _refuse_unsharded_zero3_state(self, call: str) -> None:
+        """Raises ValueError: an optimizer over a FullyShardedDataParallel model's shards was
+        prepared before that model (its state dict would be one rank's slice)."""
+        for opt in self._optimizers:
+            if not isinstance(opt, _ShardedStateOptimizer) and self._fsdp_root_of(_inner_optimizer(opt)) is not None:
+                raise ValueError(
+                    f"{call}: an optimizer over a FullyShardedDataParallel model's shards was prepared before the "
+                    "model, so its state dict would be one rank's slice; prepare the model first "
+                    "(accelerator.prepare(model, optimizer, ...), model before optimizer)"
+                )
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> Any:
@@ -111,6 +163,17 @@ class ShardedAccelerator(Accelerator):
                    **save_model_func_kwargs: Any) -> str:
         """Accelerate's ``save_state`` with every OSS consolidated onto every rank first
         (a collective: call on every rank, as Accelerate requires anyway)."""
+        self._refuse_unsharded_zero3_state("save_state")
         for oss in self._sharded_optimizers():
             oss.consolidate_state_dict(recipient_rank=-1)
         return str(super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs))
+
+    def load_state(self, input_dir: str | None = None, **load_model_func_kwargs: Any) -> None:
+        """Accelerate's ``load_state``; a ZeRO-3 optimizer's full state is cut to this rank's
+        slices (Note [Accelerate and sharded optimizers]). A collective at ZeRO-3.
+
+        Raises:
+            ValueError: as ``save_state``.
+        """
+        self._refuse_unsharded_zero3_state("load_state")
+        super().load_state(input_dir, **load_model_func_kwargs)

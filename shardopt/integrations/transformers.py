@@ -37,6 +37,14 @@ parameters also need ``fp16=True``: Accelerate's loss scaling, with a ShardedGra
 unscales the masters' fp32 gradients. After ``train()`` the model holds the low-precision
 weights. Tables: docs/integrations-precision.md.
 
+Note [fp16 parameters without autocast]
+Accelerate makes a loss scaler for ``fp16=True`` only on a GPU-like device (on a CPU it sets
+neither autocast nor a scaler, silently). fp16 parameters need loss scaling wherever they
+live, so with ``Sharding(param_dtype=torch.float16)`` and no scaler from Accelerate the mixin
+installs a ShardedGradScaler itself: Accelerate's ``backward`` scales the loss with it and its
+optimizer wrapper steps through it; clipping unscales through it directly, since
+``accelerator.unscale_gradients`` does nothing without native AMP.
+
 Note [Accelerate reads the optimizer's state dict]
 ``accelerator.prepare(optimizer)`` wraps it in an ``AcceleratedOptimizer`` that calls
 ``optimizer.state_dict()`` at once (to move the state to the device) and loads it back.
@@ -50,7 +58,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,13 +75,20 @@ from shardopt.integrations.checkpoints import (
     parse_checkpoint_kind,
     save_trainer_checkpoint,
 )
-from shardopt.integrations.convert import rebind_scheduler, release, to_oss
+from shardopt.integrations.convert import rebind_scheduler, release, to_oss, wrap_units_first
 from shardopt.nn import FullyShardedDataParallel, MixedPrecision, ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.clipping import ClipArgs
 from shardopt.optim.grad_norm import clip_params
 
-__all__ = ["SHARDED_CHECKPOINT_DIR", "ShardedTrainer", "ShardedTrainerMixin", "Sharding", "clip_in_module_order"]
+__all__ = [
+    "SHARDED_CHECKPOINT_DIR",
+    "ShardedTrainer",
+    "ShardedTrainerMixin",
+    "Sharding",
+    "clip_in_module_order",
+    "init_from_model_weights",
+]
 
 SHARDED_CHECKPOINT_DIR = "shardopt_sharded"  # inside each checkpoint-N folder with checkpoint="sharded"
 
@@ -169,6 +184,7 @@ class ShardedTrainerMixin(_Base):
         self._root: FullyShardedDataParallel | None = None
         self._wrapper: nn.Module | None = None
         self._shapes: dict[str, torch.Size] = {}
+        self._gathered: dict[str, Any] | None = None
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module) and self.sharding.param_dtype is not None:
             _to_low_precision(model, self.sharding.param_dtype, keep_fp32=self.sharding.stage == 3)
@@ -191,12 +207,22 @@ class ShardedTrainerMixin(_Base):
         (an inf/nan in one rank's shard makes every rank skip the step)."""
         super().create_accelerator_and_postprocess()
         scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+        if scaler is None and self.sharding.param_dtype == torch.float16:  # Note [fp16 parameters without autocast]
+            self.accelerator.scaler = ShardedGradScaler(device=self.args.device.type)
+        elif scaler is not None and not isinstance(scaler, ShardedGradScaler):
             self.accelerator.scaler = ShardedGradScaler(
                 init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
                 backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
                 enabled=scaler.is_enabled(), device=self.args.device.type,
             )
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The Trainer's placement, skipped at stage 3 while the model is on the meta
+        device: each unit is materialised on its device when it is wrapped (Note [HF ZeRO-3
+        from the meta device])."""
+        if self.sharding.stage == 3 and _has_meta(model):
+            return
+        super()._move_model_to_device(model, device)  # type: ignore[misc]
 
     def _plain_model(self) -> nn.Module:
         assert self.model is not None, "the Trainer was built without a model"
@@ -208,8 +234,12 @@ class ShardedTrainerMixin(_Base):
             low = self.sharding.param_dtype
             if low is not None:  # Note [low-precision parameters with fp32 masters]
                 options.setdefault("mixed_precision", MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low))
-            self._shapes = {name: p.shape for name, p in self._plain_model().named_parameters()}
-            self._root = FullyShardedDataParallel(self._plain_model(), **options)
+            model = self._plain_model()
+            self._shapes = {name: p.shape for name, p in model.named_parameters()}
+            if _has_meta(model):  # Note [HF ZeRO-3 from the meta device]
+                options.setdefault("param_init_fn", init_from_model_weights(model, self.args.device))
+                options = wrap_units_first(model, options)
+            self._root = FullyShardedDataParallel(model, **options)
         return self._root
 
     def _oss(self) -> OSS:
@@ -288,16 +318,20 @@ class ShardedTrainerMixin(_Base):
         return self._global_norm(float("inf"))
 
     def _global_norm(self, max_norm: float) -> torch.Tensor:
-        self.accelerator.unscale_gradients()  # fp16: clip the true gradients (no-op otherwise)
+        scaler = self.accelerator.scaler
+        if scaler is not None and not self.accelerator.native_amp:  # Note [fp16 parameters without autocast]
+            scaler.unscale_(_inner_optimizer(self.optimizer))
+        else:
+            self.accelerator.unscale_gradients()  # fp16: clip the true gradients (no-op otherwise)
         if self._root is not None:
             return self._root.clip_grad_norm_(max_norm)
         return clip_in_module_order(self._oss(), list(self._plain_model().parameters()), max_norm)
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
-        """Stage 3: gather the full state dict (every rank calls this) for rank 0 to write."""
+        """Stage 3: write the full state dict :meth:`save_model` gathered on every rank."""
         if self._root is not None and state_dict is None:
-            state_dict = self._root.state_dict(rank0_only=True)
+            state_dict = self._gathered if self._gathered is not None else self._root.state_dict(rank0_only=True)
         super()._save(output_dir, state_dict=state_dict)
 
     def _sharded_target(self) -> tuple[nn.Module, Optimizer, dict[str, torch.Size]]:
@@ -310,6 +344,15 @@ class ShardedTrainerMixin(_Base):
         """``Trainer.save_model``; with ``checkpoint="sharded"`` a checkpoint's weights are
         written with the optimizer's shards instead (only the model's config here), so no
         rank gathers the full model."""
+        if self._root is not None and (self.sharding.checkpoint is not CheckpointKind.SHARDED or not _internal_call):
+            # The gather is a collective: every rank runs it here, since transformers < 5.23
+            # calls _save on the writing rank only (5.23 on every rank).
+            self._gathered = self._root.state_dict(rank0_only=True)
+            try:
+                super().save_model(output_dir, _internal_call)
+            finally:
+                self._gathered = None
+            return
         if self.sharding.checkpoint is not CheckpointKind.SHARDED or not _internal_call:
             super().save_model(output_dir, _internal_call)
             return
@@ -403,6 +446,73 @@ class ShardedTrainerMixin(_Base):
             self.optimizer, self.lr_scheduler = None, None
         self._root = self._wrapper = None
         self.model_wrapped = self._plain_model()
+
+
+def _has_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def init_from_model_weights(model: nn.Module, device: torch.device | str) -> Callable[[nn.Module], None]:
+    """A ``param_init_fn`` that materialises a Hugging Face model's meta tensors with the
+    model's own initialiser, one FullyShardedDataParallel unit at a time.
+
+    Args:
+        model: the ``PreTrainedModel`` (built on the meta device) whose ``_init_weights``
+            initialises each submodule (GPT-2's ``Conv1D`` and scaled ``c_proj`` included).
+        device: where the unit's tensors are allocated.
+
+    Returns:
+        ``fn(unit)``: gives every submodule of ``unit`` that holds a meta tensor real
+        storage (``to_empty``, that submodule only) and then calls
+        ``model._init_weights`` on each submodule whose subtree held one, children before
+        parents (``nn.Module.apply``'s order, which ``PreTrainedModel.init_weights`` uses,
+        so a parent's override such as GPT-2's scaled ``c_proj`` wins). Units already
+        wrapped are left alone.
+
+    Raises:
+        TypeError: ``model`` has no ``_init_weights`` (not a ``PreTrainedModel``); pass your
+            own ``param_init_fn`` in ``Sharding(wrapper_kwargs=...)``.
+
+    Note [HF ZeRO-3 from the meta device]
+    ``Sharding(stage=3)`` accepts a model built under ``torch.device("meta")``: the Trainer
+    does not place it (``_move_model_to_device`` is skipped while meta tensors remain), and
+    the units the ``auto_wrap_policy`` selects are wrapped innermost first
+    (``wrap_units_first``), each materialised by this function, flattened and sharded before
+    the next; the root then materialises what is left (embeddings, final norm). A rank so
+    holds one unit in full at a time plus its shards. GPT-2's ``Conv1D`` has no
+    ``reset_parameters()``, so FullyShardedDataParallel's default (``to_empty`` +
+    ``reset_parameters``) would refuse it; the model's ``_init_weights`` knows it. The
+    weights follow the same distributions as an eager build but not the same random draws
+    (the order of draws differs), and every rank draws the same ones (the Trainer seeds
+    every rank alike; FullyShardedDataParallel checks the ranks agree). Non-persistent
+    buffers are initialised only as far as ``_init_weights`` does (transformers 5 does
+    rotary ``inv_freq``). After ``train()`` the model is gathered in full (the plain-model
+    contract of ``ShardedTrainer``).
+    """
+    init = getattr(model, "_init_weights", None)
+    if not callable(init):
+        raise TypeError(f"init_from_model_weights(model={type(model).__name__}): the model has no _init_weights "
+                        "(not a transformers PreTrainedModel); pass param_init_fn=fn in Sharding(wrapper_kwargs=...)")
+
+    def own_meta(sub: nn.Module) -> bool:
+        return any(t is not None and t.is_meta for t in [*sub._parameters.values(), *sub._buffers.values()])
+
+    def visit(sub: nn.Module) -> bool:
+        if isinstance(sub, FullyShardedDataParallel):
+            return False
+        touched = [visit(child) for child in sub.children()]
+        if own_meta(sub):
+            sub.to_empty(device=device, recurse=False)
+            touched.append(True)
+        if any(touched):
+            init(sub)
+        return any(touched)
+
+    def param_init_fn(unit: nn.Module) -> None:
+        with torch.no_grad():
+            visit(unit)
+
+    return param_init_fn
 
 
 def _to_low_precision(model: nn.Module, dtype: torch.dtype, keep_fp32: bool) -> None:

@@ -31,13 +31,7 @@ from shardopt.clipping import ClipArgs
 from shardopt.optim.grad_norm import clip_for_wrapper, clip_params
 from shardopt.optim.masters import MasterWeights, check_master_dtype, needs_master
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
-from shardopt.optim.state_transport import (
-    StateByIndex,
-    collect,
-    migrate,
-    state_to_param,
-    to_cpu,
-)
+from shardopt.optim.state_transport import Snapshot, StateByIndex, collect, migrate, refuse_stale_masters, state_to_param, to_cpu
 from shardopt.partition import Partition, partition_by_size
 from shardopt.state_checks import MASTER_KEY, check_state_fits
 
@@ -146,7 +140,7 @@ class OSS(Optimizer):
         self.world_size = comm.group_size(group)
         self.rank = comm.group_rank(group)
         self.broadcast_fp16 = broadcast_fp16
-        self._consolidated: dict[str, Any] | None = None
+        self._consolidated: Snapshot | None = None
         self._parked: StateByIndex = {}
         self._masters = MasterWeights(master_dtype)
         if any(p.is_meta for p in self.params):
@@ -443,10 +437,7 @@ class OSS(Optimizer):
                              f"got {recipient_rank!r}; pass the rank that will save the checkpoint")
         local = {i: to_cpu(s) for i, s in self._local_state_by_index().items()}
         merged = collect(local, recipient_rank, self.rank, self.world_size, self.group)
-        self._consolidated = None
-        if merged is not None:
-            groups = [{**_hyper(g), "params": list(indices)} for g, indices in _group_ranges(self.param_groups)]
-            self._consolidated = {"state": merged, "param_groups": groups}
+        self._consolidated = None if merged is None else Snapshot(merged, tuple(p._version for p in self.params))
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:  # type: ignore[override]
         """The consolidated optimizer state, as a plain ``torch.optim`` state dict.
@@ -458,9 +449,11 @@ class OSS(Optimizer):
         Returns:
             ``{"state": {index: {...}}, "param_groups": [...]}`` over :attr:`params`,
             loadable by this class at any world size or by the unsharded torch optimizer.
+            Hyperparameters are read now (Note [snapshot freshness] in state_transport).
 
         Raises:
-            RuntimeError: nothing was consolidated on this rank since the last step.
+            RuntimeError: nothing consolidated on this rank since the last step (or load,
+                group change), or a master stale after a weight write.
         """
         if all_ranks:
             self.consolidate_state_dict(recipient_rank=-1)
@@ -470,7 +463,10 @@ class OSS(Optimizer):
                 "optimizer.consolidate_state_dict(recipient_rank) on every rank first (after the last "
                 "step), then state_dict() on the recipient, or state_dict(all_ranks=True) on every rank"
             )
-        return self._consolidated
+        if self.master_dtype is not None:
+            refuse_stale_masters(self._consolidated, self.params, self.rank)
+        groups = [{**_hyper(g), "params": list(indices)} for g, indices in _group_ranges(self.param_groups)]
+        return {"state": self._consolidated.state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a plain ``torch.optim`` state dict, saved at any world size or unsharded.

@@ -10,13 +10,15 @@ one rank's entries at a time, so no rank holds more than its own and one other r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shardopt import comm
+from shardopt.state_checks import MASTER_KEY
 
-__all__ = ["StateByIndex", "collect", "migrate", "state_to_param", "to_cpu"]
+__all__ = ["Snapshot", "StateByIndex", "collect", "migrate", "refuse_stale_masters", "state_to_param", "to_cpu"]
 
 StateByIndex = dict[int, dict[str, Any]]
 
@@ -82,3 +84,44 @@ def collect(local: StateByIndex, recipient_rank: int, rank: int, world_size: int
         if shard is not None:
             merged.update(shard)
     return dict(sorted(merged.items())) if recipient_rank in (-1, rank) else None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A consolidated optimizer state and the parameters' version counters when it was taken.
+
+    Note [snapshot freshness]
+    Consolidating is a collective, so ``OSS.state_dict()`` (called by Accelerate, Lightning,
+    the Trainer at their own time) cannot retake it. What changes without a collective is
+    read at ``state_dict()`` time: the groups' hyperparameters (a scheduler built after the
+    consolidation sets the warm-up lr; issue 26 measured a first step at 2e-3 instead of 0
+    through Accelerate's ``prepare``). What a collective changes (``step``,
+    ``load_state_dict``, ``add_param_group``, ``refresh_trainable``) drops the snapshot, and
+    ``state_dict()`` refuses, as fairscale's ``OSS.state_dict`` does without a
+    consolidation. With masters, a parameter written after the consolidation with another
+    value (a weight load; not DDP's broadcast of the same value) makes its master follow at
+    the next step, so a snapshot whose master no longer rounds to its parameter is refused.
+    """
+
+    state: StateByIndex
+    versions: tuple[int, ...]
+
+
+def refuse_stale_masters(snapshot: Snapshot, params: Sequence[torch.Tensor], rank: int) -> None:
+    """Raise if a parameter was written after ``snapshot`` with a value its master does not
+    round to (Note [snapshot freshness]); a host read, only for parameters written since.
+
+    Raises:
+        RuntimeError: naming the first such parameter and ``consolidate_state_dict``.
+    """
+    for i, (p, version) in enumerate(zip(params, snapshot.versions, strict=True)):
+        master = snapshot.state.get(i, {}).get(MASTER_KEY)
+        if p._version == version or master is None:
+            continue
+        if not torch.equal(master.to(p.dtype), p.detach().cpu()):  # host-read: in state_dict(), after a write only
+            raise RuntimeError(
+                f"[rank {rank}] OSS.state_dict(): parameter {i} was written after consolidate_state_dict(), so "
+                "the consolidated fp32 masters are stale; call optimizer.consolidate_state_dict(recipient_rank) "
+                "on every rank again (after loading weights), or state_dict(all_ranks=True) on every rank "
+                "(Note [snapshot freshness] in shardopt.optim.state_transport)"
+            )
