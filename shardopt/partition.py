@@ -22,6 +22,12 @@ from fractions import Fraction
 __all__ = ["Block", "Partition", "SplitPlan", "partition_by_size", "plan_split"]
 
 
+
+def _imbalance(totals: Sequence[int]) -> float:
+    """The largest of ``totals`` over their mean (1.0 when all are zero)."""
+    mean = sum(totals) / len(totals)
+    return max(totals) / mean if mean > 0 else 1.0
+
 @dataclass(frozen=True)
 class Partition:
     """Which rank owns which parameter.
@@ -63,9 +69,7 @@ class Partition:
     @property
     def imbalance(self) -> float:
         """Largest rank's bytes over the mean (1.0 is perfect; 1.0 when there is nothing)."""
-        totals = self.rank_bytes
-        mean = sum(totals) / self.num_ranks
-        return max(totals) / mean if mean > 0 else 1.0
+        return _imbalance(self.rank_bytes)
 
     def indices_of(self, rank: int) -> tuple[int, ...]:
         """Indices of the parameters ``rank`` owns, in their original order."""
@@ -207,9 +211,7 @@ class SplitPlan:
     @property
     def imbalance(self) -> float:
         """Largest rank's bytes over the mean (1.0 is perfect; 1.0 when there is nothing)."""
-        totals = self.rank_bytes
-        mean = sum(totals) / self.num_ranks
-        return max(totals) / mean if mean > 0 else 1.0
+        return _imbalance(self.rank_bytes)
 
     @property
     def split_params(self) -> tuple[int, ...]:

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,29 +24,15 @@ from shardopt.integrations.lightning import ZeRO1Strategy, ZeRO2Strategy, ZeRO3S
 from shardopt.nn.fsdp import ModuleClassPolicy
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff
+from tests.helpers.lightning import TinyRegressor
 
 pytestmark = pytest.mark.distributed
 
 MODES = ("zero1", "zero2", "zero3_units")
 
 
-class Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self(x).float(), y.float())
-
-    def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+class Tiny(TinyRegressor):
+    """The shared regressor, one AdamW group."""
 
 
 def _strategy(mode: str, checkpoint: str) -> Any:

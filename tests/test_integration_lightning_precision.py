@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,6 +23,7 @@ from shardopt.nn.fsdp import ModuleClassPolicy
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff
+from tests.helpers.lightning import TinyRegressor
 from tests.helpers.masters import max_ulps
 from tests.helpers.state_bytes import held_bytes
 
@@ -33,29 +33,11 @@ BATCH, ACCUM = 4, 2
 SOLO: list[Any] = []  # one single-rank group per rank, made in the rank function
 
 
-class Tiny(L.LightningModule):
-    """An MLP regressor with AdamW and a step-wise LR schedule (as in the fp32 tests)."""
+class Tiny(TinyRegressor):
+    """The shared regressor with two AdamW groups (as in the fp32 tests)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self(x).float(), y.float())
-
-    def _optimizer(self) -> Any:
-        groups = [{"params": self.net[0].parameters(), "lr": 2e-2}, {"params": self.net[2:].parameters()}]
-        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
-
-    def configure_optimizers(self) -> Any:
-        opt = self._optimizer()
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+    def param_groups(self) -> Any:
+        return [{"params": self.net[0].parameters(), "lr": 2e-2}, {"params": self.net[2:].parameters()}]
 
 
 class MasterReference(Tiny):
@@ -63,12 +45,10 @@ class MasterReference(Tiny):
     (an OSS over a group of this rank alone keeps every master, unsharded), after DDP's
     all-reduce. That is DeepSpeed's bf16 arithmetic without partitioning."""
 
-    def configure_optimizers(self) -> Any:
-        groups = [{"params": list(self.net[0].parameters()), "lr": 2e-2}, {"params": list(self.net[2:].parameters())}]
-        opt = OSS(groups, optim=torch.optim.AdamW, group=SOLO[dist.get_rank()], master_dtype=torch.float32,
-                  lr=1e-2, weight_decay=0.1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+    def _optimizer(self) -> torch.optim.Optimizer:
+        groups = [{**g, "params": list(g["params"])} for g in self.param_groups()]
+        return OSS(groups, optim=torch.optim.AdamW, group=SOLO[dist.get_rank()], master_dtype=torch.float32,
+                   lr=1e-2, weight_decay=0.1)
 
 
 class _Measure(L.Callback):
