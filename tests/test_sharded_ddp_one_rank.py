@@ -63,3 +63,29 @@ def test_one_rank_keeps_autograd_gradients_and_matches_plain_torch_bitwise() -> 
         assert out[key] == 0.0, (key, out)
         assert out[f"{key}/buckets"] == 0 and out[f"{key}/never_grad"], (key, out)
         assert out[f"{key}/autograd_tensor_kept"], (key, out)
+
+
+def _narrow_wire(rank: int, world_size: int) -> float:
+    """fp32 parameters reduced in bf16: at one rank the gradient is still rounded through the
+    wire dtype, as at every world size (Note [one rank passes gradients through])."""
+    plain, sharded = Branchy(), Branchy()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt = OSS(sharded.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(sharded, opt, reduce_dtype=torch.bfloat16)
+    for step in range(3):
+        x = rank_batch(rank, step)
+        plain_opt.zero_grad()
+        plain(x).pow(2).mean().backward()
+        for p in plain.parameters():
+            if p.grad is not None:
+                p.grad = p.grad.to(torch.bfloat16).to(torch.float32)
+        plain_opt.step()
+        opt.zero_grad()
+        sdp(x).pow(2).mean().backward()
+        opt.step()
+    sdp.close()
+    return max_abs_diff(sharded.parameters(), plain.parameters())
+
+
+def test_one_rank_still_rounds_through_a_narrower_reduce_dtype() -> None:
+    assert run_ranks(_narrow_wire, 1, timeout_s=120) == [0.0]
