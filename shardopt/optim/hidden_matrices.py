@@ -4,16 +4,17 @@ optimizer (``torch.optim.Muon``), everything else for AdamW.
 Note [which parameters Muon gets]
 Muon orthogonalises each update, which suits the weight matrices of hidden layers only: its
 authors and torch's documentation give the input embedding, the output layer, norms' gains
-and biases to a standard optimizer such as AdamW (Keller Jordan, "Muon: An optimizer for
-hidden layers in neural networks", 2024; ``torch.optim.Muon``'s docstring). torch's own
-example selects ``p.ndim == 2``, which also hands Muon the embedding table and the output
-head (both 2-D), and ``torch.optim.Muon`` refuses any parameter that is not 2-D. So the
-split here goes by module type, not by shape: the ``weight`` of every ``nn.Linear`` (a
-subclass too, such as ``nn.MultiheadAttention``'s ``out_proj``) is a hidden matrix, unless
-its layer is named as not hidden (the output head) or the tensor is shared with an embedding
-(a tied head). Everything else - embeddings, biases, norms, a positional table held as a
-plain ``nn.Parameter``, convolution kernels, ``nn.MultiheadAttention``'s ``in_proj_weight`` -
-goes to the other optimizer; pass such a matrix to Muon yourself if you mean it.
+and biases to a standard optimizer such as AdamW (the KellerJordan/Muon README: "embeddings,
+classifier heads, and hidden gains/biases should be optimized using standard AdamW";
+``torch.optim.Muon``'s docstring). torch's own example selects ``p.ndim == 2``, which also
+hands Muon the embedding table and the output head (both 2-D), and ``torch.optim.Muon``
+refuses any parameter that is not 2-D. So the split here goes by module type, not by
+shape: the ``weight`` of every ``nn.Linear`` (a subclass too, such as
+``nn.MultiheadAttention``'s ``out_proj``) is a hidden matrix, unless its layer is named as
+not hidden (the output head) or the tensor is shared with an embedding (a tied head).
+Everything else - embeddings, biases, norms, a positional table held as a plain
+``nn.Parameter``, convolution kernels, ``nn.MultiheadAttention``'s ``in_proj_weight`` - goes
+to the other optimizer; pass such a matrix to Muon yourself if you mean it.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def split_hidden_matrices(module: nn.Module, non_hidden: nn.Module | Iterable[nn
 def _non_hidden_layers(module: nn.Module, non_hidden: nn.Module | Iterable[nn.Module] | None) -> list[nn.Module]:
     """The layers named as not hidden, checked to be ``module``'s own."""
     if non_hidden is None:
-        head = module.get_output_embeddings() if callable(getattr(module, "get_output_embeddings", None)) else None
+        finder = getattr(module, "get_output_embeddings", None)
+        head = finder() if callable(finder) else None
         if not isinstance(head, nn.Module):
             raise ValueError(
                 f"non_hidden=None needs a model with get_output_embeddings() (a Hugging Face head); "
