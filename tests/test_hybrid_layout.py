@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardopt.hybrid import HybridLayout, LayoutSource, Tiling, check_tiling, plan_tiling, resolve_layout
 from shardopt.testing import run_ranks
@@ -95,6 +95,8 @@ def _layouts_rank(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+    unnamed = init_device_mesh("cpu", (2, 2))
+    half = DeviceMesh("cpu", torch.arange(2).reshape(1, 2), mesh_dim_names=("replicate", "shard"))
     cases: dict[str, Callable[[], HybridLayout]] = {
         "shard_size": lambda: resolve_layout(shard_size=2),
         "device_mesh": lambda: resolve_layout(device_mesh=mesh),
@@ -106,6 +108,8 @@ def _layouts_rank(rank: int, world_size: int) -> dict[str, Any]:
         "no_form": lambda: resolve_layout(),
         "mesh_names": lambda: resolve_layout(device_mesh=swapped),
         "mesh_1d": lambda: resolve_layout(device_mesh=flat),
+        "mesh_unnamed": lambda: resolve_layout(device_mesh=unnamed),
+        "mesh_half": lambda: resolve_layout(device_mesh=half),
         "mesh_type": lambda: resolve_layout(device_mesh=[[0, 1], [2, 3]]),  # type: ignore[arg-type]
         "pair_type": lambda: resolve_layout(process_groups=(shard_groups[rank // 2],)),  # type: ignore[arg-type]
         "crossed": lambda: resolve_layout(process_groups=(shard_groups[rank // 2], crossed[rank in (1, 2)])),
@@ -127,6 +131,8 @@ ERRORS = {
     "mesh_names": ("ValueError", "device_mesh must be 2-D with dimensions named ('replicate', 'shard') (replicate "
                                  "outer, shard inner), got 2-D with names ('shard', 'replicate')"),
     "mesh_1d": ("ValueError", "got 1-D with names ('shard',)"),
+    "mesh_unnamed": ("ValueError", "got 2-D with names None"),
+    "mesh_half": ("ValueError", "device_mesh must cover every rank of the world (0..3), got ranks [0, 1]"),
     "mesh_type": ("TypeError", "device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got list"),
     "pair_type": ("TypeError", "process_groups must be a pair (shard_group, replicate_group)"),
     "crossed": ("ValueError", "process_groups do not tile the world: rank 0 is at position 0 of its shard group"),
