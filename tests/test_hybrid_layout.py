@@ -91,6 +91,7 @@ def _layouts_rank(rank: int, world_size: int) -> dict[str, Any]:
     shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    world = dist.new_group([0, 1, 2, 3])
     pair = (shard_groups[rank // 2], replicate_groups[rank % 2])
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
@@ -113,7 +114,7 @@ def _layouts_rank(rank: int, world_size: int) -> dict[str, Any]:
         "mesh_type": lambda: resolve_layout(device_mesh=[[0, 1], [2, 3]]),  # type: ignore[arg-type]
         "pair_type": lambda: resolve_layout(process_groups=(shard_groups[rank // 2],)),  # type: ignore[arg-type]
         "crossed": lambda: resolve_layout(process_groups=(shard_groups[rank // 2], crossed[rank in (1, 2)])),
-        "overlap": lambda: resolve_layout(process_groups=(shard_groups[0] if rank < 2 else dist.group.WORLD,
+        "overlap": lambda: resolve_layout(process_groups=(shard_groups[0] if rank < 2 else world,
                                                           replicate_groups[rank % 2])),
         "disagree_size": lambda: resolve_layout(shard_size=2 if rank == 0 else 4),
         "disagree_form": lambda: resolve_layout(shard_size=2) if rank == 3 else resolve_layout(device_mesh=mesh),

@@ -22,6 +22,7 @@ Usage: ``python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 ... multi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -42,6 +43,11 @@ from tests.helpers.ddp_arithmetic import reference_backward
 LR = 1e-2
 
 
+def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    """The loss every mode trains on: rank ``rank``'s batch of step ``step``."""
+    return model(rank_batch(rank, step)).pow(2).mean()
+
+
 def _train_against_references(model: nn.Module, step_of: Callable[[torch.Tensor], None],
                               zero_grad: Callable[[bool], None], rank: int, steps: int) -> dict[str, float]:
     """Train ``model`` with ``step_of`` next to DDP + Adam and next to a one-process reference
@@ -59,7 +65,7 @@ def _train_against_references(model: nn.Module, step_of: Callable[[torch.Tensor]
         x = rank_batch(rank, step)
         ddp(x).pow(2).mean().backward()
         ddp_opt.step()
-        reference_backward(single, world_size, lambda m, r, s=step: m(rank_batch(r, s)).pow(2).mean())
+        reference_backward(single, world_size, functools.partial(_loss, step=step))
         single_opt.step()
         step_of(x)
     del ddp  # freed before the process group goes (torch 2.13 + gloo can block otherwise)
@@ -78,9 +84,7 @@ def hybrid_zero1(layout: HybridLayout, rank: int, steps: int) -> dict[str, float
         ddp(x).pow(2).mean().backward()
         opt.step()
 
-    diffs = _train_against_references(model, step_of, lambda none: opt.zero_grad(set_to_none=none), rank, steps)
-    del ddp
-    return diffs
+    return _train_against_references(model, step_of, lambda none: opt.zero_grad(set_to_none=none), rank, steps)
 
 
 def flat_zero2(layout: HybridLayout, rank: int, steps: int) -> dict[str, float]:
