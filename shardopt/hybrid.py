@@ -29,12 +29,13 @@ Note [hybrid layout checks]
 A rank that rejects its arguments while the others go on into a collective would leave the
 others waiting until the process group's timeout. So :func:`resolve_layout` first compares a
 rank-independent description of the request across ranks (which of the three forms, the
-shard size, the mesh's names and ranks, the kinds of the two groups) with
+shard size, the mesh's names and ranks) with
 :func:`shardopt.agreement.check_agreement`: ranks that asked for different layouts all raise
 there. From then on every rank checks the same request, so a bad one raises the same error
 on every rank before any group is built. An explicit pair of groups is checked by gathering
-every rank's two member lists (one object all-gather) and testing, identically on every
-rank, that they tile the world.
+every rank's two member lists, or what is wrong with its pair (not a pair, not process
+groups, a group the rank is not in), with one object all-gather, and testing, identically on
+every rank, that they tile the world.
 """
 
 from __future__ import annotations
@@ -228,10 +229,6 @@ def _describe(device_mesh: Any, process_groups: Any, shard_size: Any) -> list[tu
         entries.append(("device_mesh", (device_mesh.mesh_dim_names, device_mesh.mesh.tolist())))
     elif device_mesh is not None:
         entries.append(("device_mesh", type(device_mesh).__name__))
-    if process_groups is not None:
-        kinds = ([type(g).__name__ for g in process_groups] if isinstance(process_groups, (tuple, list))
-                 else type(process_groups).__name__)
-        entries.append(("process_groups", kinds))
     if shard_size is not None:
         entries.append(("shard_size", shard_size))
     return entries
@@ -260,13 +257,41 @@ def _check_request(device_mesh: Any, process_groups: Any, shard_size: Any, world
         if ranks != list(range(world_size)):
             raise ValueError(f"device_mesh must cover every rank of the world (0..{world_size - 1}), got ranks "
                              f"{ranks}; build the mesh over the whole world")
-    if process_groups is not None:
-        if (not isinstance(process_groups, (tuple, list)) or len(process_groups) != 2
-                or not all(isinstance(g, comm.ProcessGroup) for g in process_groups)):
-            raise TypeError(f"process_groups must be a pair (shard_group, replicate_group) of process groups, got "
-                            f"{process_groups!r}; build both on every rank with torch.distributed.new_group")
     if shard_size is not None:
         plan_tiling(world_size, shard_size)
+
+
+_Claim = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _claim(process_groups: Any, rank: int) -> _Claim | tuple[str, str]:
+    """This rank's pair as member lists, or (error type, message) for a pair it cannot use:
+    gathered before anyone raises, so every rank raises the same (Note [hybrid layout checks])."""
+    if not isinstance(process_groups, (tuple, list)) or len(process_groups) != 2:
+        return ("TypeError", f"process_groups must be a pair (shard_group, replicate_group) of process groups, got "
+                             f"{process_groups!r} on rank {rank}; build both on every rank with "
+                             "torch.distributed.new_group and pass each rank its own")
+    for which, group in zip(("shard", "replicate"), process_groups, strict=True):
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            return ("ValueError", f"rank {rank} is not a member of the {which} group it passed (torch gives a rank "
+                                  f"that is not in a group GroupMember.NON_GROUP_MEMBER); pass each rank the "
+                                  f"{which} group it belongs to")
+        if not isinstance(group, comm.ProcessGroup):
+            return ("TypeError", f"process_groups must be a pair (shard_group, replicate_group) of process groups, "
+                                 f"got a {type(group).__name__} as the {which} group on rank {rank}; build both on "
+                                 "every rank with torch.distributed.new_group")
+    shard, replicate = process_groups
+    return tuple(dist.get_process_group_ranks(shard)), tuple(dist.get_process_group_ranks(replicate))
+
+
+def _tiling_of_pairs(process_groups: Any, world_size: int, rank: int) -> Tiling:
+    """Gather every rank's claim; raise the first rank's problem, or check the tiling, on every rank."""
+    claims = comm.all_gather_object(_claim(process_groups, rank), None)
+    for claim in claims:
+        if isinstance(claim[0], str):
+            kind, message = claim
+            raise (TypeError if kind == "TypeError" else ValueError)(message)
+    return check_tiling(world_size, claims)
 
 
 def _build_groups(tiling: Tiling, rank: int) -> tuple[comm.ProcessGroup, comm.ProcessGroup]:
@@ -321,15 +346,15 @@ def resolve_layout(
         source = LayoutSource.DEVICE_MESH
         shard, replicate = device_mesh.get_group("shard"), device_mesh.get_group("replicate")
     elif process_groups is not None:
-        shard, replicate = process_groups
-        mine = (tuple(dist.get_process_group_ranks(shard)), tuple(dist.get_process_group_ranks(replicate)))
-        tiling = check_tiling(world_size, comm.all_gather_object(mine, None))
+        tiling = _tiling_of_pairs(process_groups, world_size, rank)
         source = LayoutSource.PROCESS_GROUPS
-    else:
-        assert shard_size is not None, "checked by _check_request"
+        shard, replicate = process_groups
+    elif shard_size is not None:
         tiling = plan_tiling(world_size, shard_size)
         source = LayoutSource.SHARD_SIZE
         shard, replicate = _build_groups(tiling, rank)
+    else:
+        raise AssertionError(f"[rank {rank}] no layout form left after _check_request")
     replica_rank = next(i for i, g in enumerate(tiling.shard_groups) if rank in g)
     layout = HybridLayout(
         source=source, shard_group=shard, replicate_group=replicate, shard_size=tiling.shard_size,

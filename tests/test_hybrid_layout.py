@@ -113,6 +113,8 @@ def _layouts_rank(rank: int, world_size: int) -> dict[str, Any]:
         "mesh_half": lambda: resolve_layout(device_mesh=half),
         "mesh_type": lambda: resolve_layout(device_mesh=[[0, 1], [2, 3]]),  # type: ignore[arg-type]
         "pair_type": lambda: resolve_layout(process_groups=(shard_groups[rank // 2],)),  # type: ignore[arg-type]
+        "pair_bad_on_one_rank": lambda: resolve_layout(process_groups=(pair[0], "replicate" if rank == 3 else pair[1])),  # type: ignore[arg-type]
+        "not_member": lambda: resolve_layout(process_groups=(shard_groups[0], replicate_groups[rank % 2])),
         "crossed": lambda: resolve_layout(process_groups=(shard_groups[rank // 2], crossed[rank in (1, 2)])),
         "overlap": lambda: resolve_layout(process_groups=(shard_groups[0] if rank < 2 else world,
                                                           replicate_groups[rank % 2])),
@@ -135,7 +137,9 @@ ERRORS = {
     "mesh_unnamed": ("ValueError", "got 2-D with names None"),
     "mesh_half": ("ValueError", "device_mesh must cover every rank of the world (0..3), got ranks [0, 1]"),
     "mesh_type": ("TypeError", "device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got list"),
-    "pair_type": ("TypeError", "process_groups must be a pair (shard_group, replicate_group)"),
+    "pair_type": ("TypeError", "process_groups must be a pair (shard_group, replicate_group) of process groups, got ("),
+    "pair_bad_on_one_rank": ("TypeError", "got a str as the replicate group on rank 3"),
+    "not_member": ("ValueError", "rank 2 is not a member of the shard group it passed"),
     "crossed": ("ValueError", "process_groups do not tile the world: rank 0 is at position 0 of its shard group"),
     "overlap": ("ValueError", "process_groups do not tile the world: rank 2's shard group is [0, 1, 2, 3] but rank 0's is "
                               "[0, 1]"),
