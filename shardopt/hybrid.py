@@ -32,7 +32,9 @@ rank-independent description of the request across ranks (which of the three for
 shard size, the mesh's names and ranks) with
 :func:`shardopt.agreement.check_agreement`: ranks that asked for different layouts all raise
 there. From then on every rank checks the same request, so a bad one raises the same error
-on every rank before any group is built. An explicit pair of groups is checked by gathering
+on every rank before any group is built. An explicit pair of groups (and the mesh's two
+groups, whose members torch ranks in ascending order whatever order the mesh lists them
+in) is checked by gathering
 every rank's two member lists, or what is wrong with its pair (not a pair, not process
 groups, a group the rank is not in), with one object all-gather, and testing, identically on
 every rank, that they tile the world.
@@ -316,9 +318,9 @@ def resolve_layout(
 
     Call on every rank, with the same form. How it works: the ranks first agree on what was
     asked (one small all-gather of a digest); then each checks the request (the same error on
-    every rank); then the groups are taken from the mesh, checked to tile the world (an
-    explicit pair: one object all-gather of the member lists), or built from ``shard_size``
-    (Note [consecutive shard groups], Note [hybrid layout checks]).
+    every rank); then the groups are either taken (the mesh's, or the pair) and checked to
+    tile the world with one object all-gather of their member lists, or built from
+    ``shard_size`` (Note [consecutive shard groups], Note [hybrid layout checks]).
 
     Args:
         device_mesh: a 2-D mesh with dimensions named ``("replicate", "shard")``.
@@ -341,10 +343,11 @@ def resolve_layout(
                               _FIX_AGREE)
     _check_request(device_mesh, process_groups, shard_size, world_size)
     if device_mesh is not None:
-        rows = device_mesh.mesh.tolist()
-        tiling = check_tiling(world_size, [_mesh_claim(rows, r) for r in range(world_size)])
-        source = LayoutSource.DEVICE_MESH
+        # The groups torch built for the mesh, not the mesh's coordinates: a group ranks its
+        # members in ascending order, whatever order the mesh lists them in.
         shard, replicate = device_mesh.get_group("shard"), device_mesh.get_group("replicate")
+        tiling = _tiling_of_pairs((shard, replicate), world_size, rank)
+        source = LayoutSource.DEVICE_MESH
     elif process_groups is not None:
         tiling = _tiling_of_pairs(process_groups, world_size, rank)
         source = LayoutSource.PROCESS_GROUPS
@@ -366,11 +369,3 @@ def resolve_layout(
                              f"{comm.group_rank(replicate)}) differ from the tiling's {layout}")
     return layout
 
-
-def _mesh_claim(rows: list[list[int]], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``rank``'s (shard group, replicate group) in a ``(replicate, shard)`` mesh: its row and column."""
-    for row in rows:
-        if rank in row:
-            column = row.index(rank)
-            return tuple(row), tuple(r[column] for r in rows)
-    raise AssertionError(f"rank {rank} is not in the mesh {rows}")

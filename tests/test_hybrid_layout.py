@@ -97,11 +97,13 @@ def _layouts_rank(rank: int, world_size: int) -> dict[str, Any]:
     swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
     unnamed = init_device_mesh("cpu", (2, 2))
+    listed_backwards = DeviceMesh("cpu", torch.tensor([[3, 2], [1, 0]]), mesh_dim_names=("replicate", "shard"))
     half = DeviceMesh("cpu", torch.arange(2).reshape(1, 2), mesh_dim_names=("replicate", "shard"))
     cases: dict[str, Callable[[], HybridLayout]] = {
         "shard_size": lambda: resolve_layout(shard_size=2),
         "device_mesh": lambda: resolve_layout(device_mesh=mesh),
         "process_groups": lambda: resolve_layout(process_groups=pair),
+        "mesh_listed_backwards": lambda: resolve_layout(device_mesh=listed_backwards),
         "one_group": lambda: resolve_layout(shard_size=4),
         "not_divisible": lambda: resolve_layout(shard_size=3),
         "zero": lambda: resolve_layout(shard_size=0),
@@ -163,6 +165,11 @@ def test_three_forms_give_one_layout_and_every_bad_layout_raises_on_every_rank()
             assert got["sums"] == [float(4 * node + 1), float(2 * position + 2)], got
             assert got["tiling"] == results[0]["shard_size"]["tiling"] == plan_tiling(4, 2)
             assert got["fingerprint"] == results[0]["shard_size"]["fingerprint"]
+        # A mesh listing its ranks in another order names the same groups; positions are the groups' own.
+        backwards = r["mesh_listed_backwards"]
+        assert (backwards["shard_ranks"], backwards["replicate_ranks"]) == (r["shard_size"]["shard_ranks"],
+                                                                            r["shard_size"]["replicate_ranks"])
+        assert (backwards["shard_rank"], backwards["replica_rank"]) == (position, node), backwards
         one = r["one_group"]
         assert (one["S"], one["R"], one["shard_ranks"], one["replicate_ranks"]) == (4, 1, (0, 1, 2, 3), (rank,))
         for case, (kind, fragment) in ERRORS.items():
