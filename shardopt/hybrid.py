@@ -29,15 +29,14 @@ Note [hybrid layout checks]
 A rank that rejects its arguments while the others go on into a collective would leave the
 others waiting until the process group's timeout. So :func:`resolve_layout` first compares a
 rank-independent description of the request across ranks (which of the three forms, the
-shard size, the mesh's names and ranks) with
-:func:`shardopt.agreement.check_agreement`: ranks that asked for different layouts all raise
-there. From then on every rank checks the same request, so a bad one raises the same error
-on every rank before any group is built. An explicit pair of groups (and the mesh's two
-groups, whose members torch ranks in ascending order whatever order the mesh lists them
-in) is checked by gathering
-every rank's two member lists, or what is wrong with its pair (not a pair, not process
-groups, a group the rank is not in), with one object all-gather, and testing, identically on
-every rank, that they tile the world.
+shard size, the mesh's names and ranks) with :func:`shardopt.agreement.check_agreement`:
+ranks that asked for different layouts all raise there. From then on every rank checks the
+same request, so a bad one raises the same error on every rank before any group is built.
+An explicit pair of groups, and the mesh's two groups (torch ranks a group's members in
+ascending order, whatever order the mesh lists them in), is checked by gathering every
+rank's two member lists, or what is wrong with its pair (not a pair, not process groups, a
+group the rank is not in), with one object all-gather, and testing, identically on every
+rank, that they tile the world.
 """
 
 from __future__ import annotations
