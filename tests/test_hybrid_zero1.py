@@ -30,6 +30,7 @@ from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 STEPS = 7
+CLIP = 0.05
 
 
 def _state_diff(got: dict[str, Any], want: dict[str, Any]) -> float:
@@ -50,6 +51,7 @@ def _train(layout: HybridLayout, rank: int) -> dict[str, Any]:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     opt = OSS(hybrid.parameters(), optim=torch.optim.Adam, group=layout.shard_group, lr=1e-2)
     ddp_ref, ddp_hybrid = DDP(ref), DDP(hybrid)
+    norm_diff, scaled = 0.0, False
     for step in range(STEPS):
         set_to_none = step % 2 == 0
         for o in (ref_opt, opt):
@@ -57,6 +59,10 @@ def _train(layout: HybridLayout, rank: int) -> dict[str, Any]:
         x = rank_batch(rank, step)
         ddp_ref(x).pow(2).mean().backward()
         ddp_hybrid(x).pow(2).mean().backward()
+        if step % 2 == 1:  # clip on odd steps (below the gradient norm, so it scales)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+            norm_diff = max(norm_diff, abs(float(opt.clip_grad_norm(CLIP)) - float(want)))
+            scaled = scaled or float(want) > CLIP
         ref_opt.step()
         opt.step()
     owned = [i for i in range(len(opt.params)) if opt.owns(i)]
@@ -68,6 +74,7 @@ def _train(layout: HybridLayout, rank: int) -> dict[str, Any]:
     resumed = {where: _resume(hybrid, full, group, ref, ref_opt, rank)
                for where, group in (("hybrid", layout.shard_group), ("flat", None))}
     return {"param_diff": max_abs_diff(hybrid.parameters(), ref.parameters()), "owned": owned,
+            "norm_diff": norm_diff, "scaled": scaled,
             "plan_size": opt.world_size, "recipient_state_diff": on_recipient, "all_ranks_state_diff": everywhere,
             "resumed_diff": resumed}
 
@@ -114,13 +121,13 @@ def test_hybrid_zero1_equals_ddp_bit_for_bit_and_its_consolidated_state_resumes_
     print(f"\nhybrid ZeRO-1 (2 groups of 2) vs DDP + Adam after {STEPS} steps, max |diff| over ranks:")
     for form in results[0]:
         rows = [r[form] for r in results]
-        print(f"  {form:15s} params={max(r['param_diff'] for r in rows)} "
+        print(f"  {form:15s} params={max(r['param_diff'] for r in rows)} norm={max(r['norm_diff'] for r in rows)} "
               f"state(recipient)={max(r['recipient_state_diff'] for r in rows[::2])} "
               f"state(all_ranks)={max(r['all_ranks_state_diff'] for r in rows)} "
               f"resumed(hybrid, flat)={max(r['resumed_diff']['hybrid'] for r in rows)}, "
               f"{max(r['resumed_diff']['flat'] for r in rows)}")
         for rank, r in enumerate(rows):
-            assert r["param_diff"] == 0.0, (form, rank, r)
+            assert r["param_diff"] == 0.0 and r["norm_diff"] == 0.0 and r["scaled"], (form, rank, r)
             assert r["all_ranks_state_diff"] == 0.0, (form, rank, r)
             assert r["plan_size"] == 2, (form, rank, r)  # planned over the shard group, not the world
             assert r["resumed_diff"] == {"hybrid": 0.0, "flat": 0.0}, (form, rank, r)
