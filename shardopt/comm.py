@@ -88,6 +88,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "is_fake_group",
+    "own_rank_group",
     "peers",
     "prefers_point_to_point",
     "recv_object",
@@ -641,3 +642,15 @@ def fake_group_ddp_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Fu
 # DDP checks the hook's annotations as objects (inspect.signature without eval_str), and this
 # module's ``from __future__ import annotations`` leaves them strings: give it the objects.
 fake_group_ddp_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+def own_rank_group() -> ProcessGroup:
+    """A process group of this rank alone (e.g. an optimizer that must keep everything on every rank).
+
+    Only this rank takes part in making it (``use_local_synchronization``), so ranks may call
+    it at different times; no data moves within a group of one.
+
+    Returns:
+        The group.
+    """
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
