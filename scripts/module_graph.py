@@ -57,6 +57,8 @@ LEVELS: dict[str, int] = {
     "shardopt.nn": 6,  # what both wrappers share (nn/module_checks.py)
     "shardopt.nn.data_parallel": 7, "shardopt.nn.fsdp": 7,  # ZeRO-2 and ZeRO-3: neither imports the other
     "shardopt": 8,  # the package's re-exports
+    # one rank of N built in one process under torch's fake group (the estimate command's --measure)
+    "shardopt.fake_ranks": 8,
     "shardopt.integrations": 9,  # Lightning, Hugging Face: above the library
     "shardopt.app": 10,  # the ``shardopt`` command
     ENTRY: 11,

@@ -84,11 +84,9 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "exchange",
-    "fake_group_ddp_hook",
     "group_rank",
     "group_size",
     "is_fake_group",
-    "own_rank_group",
     "peers",
     "prefers_point_to_point",
     "recv_object",
@@ -196,8 +194,6 @@ def _launch(label: str) -> Iterator[None]:
             if isinstance(exc, CollectiveError):
                 raise
             raise failures.collective_error(label, exc) from exc
-
-
 
 
 def _blocking(label: str, group: ProcessGroup | None, call: Callable[[], Any], partner: int = -1) -> None:
@@ -330,11 +326,9 @@ def peers(rank: int, size: int) -> list[int]:
 def prefers_point_to_point(group: ProcessGroup | None, device: torch.device) -> bool:
     """Whether bulk data for ``device`` moves fastest point to point on ``group``.
 
-    True on gloo with more than one rank (Note [gloo point to point]); device tensors then
-    travel through host copies (Note [device tensors on gloo]). True on torch's fake group
-    too, whose list all-to-all refuses pieces of unequal sizes where its sends and receives
-    take any (Note [fake process group] in ``failures``): a measurement under it then
-    allocates what a gloo rank does.
+    True on gloo with more than one rank (Note [gloo point to point]; device tensors travel
+    through host copies, Note [device tensors on gloo]), and on torch's fake group, whose
+    sends take pieces of any size (Note [fake process group] in ``failures``).
     """
     return group_size(group) > 1 and str(dist.get_backend(group)) in ("gloo", failures.FAKE_BACKEND)
 
@@ -604,53 +598,3 @@ def recv_object(src: int, group: ProcessGroup | None) -> Any:
     _blocking("shardopt::object::recv", group,
               lambda: dist.recv_object_list(box, src=_global(group, src), group=group), partner=src)
     return box[0]
-
-
-def fake_group_ddp_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A ``DistributedDataParallel`` communication hook for torch's fake process group.
-
-    torch's DDP cannot run a backward pass under the fake group as it comes: its reducer
-    reads the all-reduce's result from the work's future, which the fake backend completes
-    holding ``None`` ("expected the hook result is either a Tensor or a TensorList found
-    None", torch 2.13). This hook all-reduces the bucket through :func:`all_reduce` (the
-    fake group completes it at once and moves nothing) and returns a completed future holding
-    the bucket itself. Register it with ``ddp.register_comm_hook(None, fake_group_ddp_hook)``,
-    only under a fake group (Note [fake process group] in ``failures``).
-
-    Args:
-        state: unused (DDP's hook state).
-        bucket: the gradient bucket DDP hands over.
-
-    Returns:
-        A completed future of the bucket's flat buffer.
-
-    Raises:
-        ValueError: the default process group is not a fake one (the hook would skip the
-            averaging a real group needs).
-    """
-    if not is_fake_group():
-        raise ValueError("fake_group_ddp_hook is for torch's fake process group only (backend 'fake'); the "
-                         f"default group is {dist.get_backend() if dist.is_initialized() else 'not initialised'}: "
-                         "leave DDP's own all-reduce in place on a real group")
-    buffer = bucket.buffer()
-    all_reduce(buffer, None, label="shardopt::ddp::all_reduce").wait()
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
-# DDP checks the hook's annotations as objects (inspect.signature without eval_str), and this
-# module's ``from __future__ import annotations`` leaves them strings: give it the objects.
-fake_group_ddp_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
-
-
-def own_rank_group() -> ProcessGroup:
-    """A process group of this rank alone (e.g. an optimizer that must keep everything on every rank).
-
-    Only this rank takes part in making it (``use_local_synchronization``), so ranks may call
-    it at different times; no data moves within a group of one.
-
-    Returns:
-        The group.
-    """
-    return dist.new_group([dist.get_rank()], use_local_synchronization=True)

@@ -37,8 +37,8 @@ from shardopt.nn.fsdp import FullyShardedDataParallel, MixedPrecision, ModuleCla
 from shardopt.optim import OSS
 from shardopt.partition import partition_by_size, plan_split
 
-__all__ = ["CATEGORIES", "Measured", "Mode", "RankBytes", "Workload", "measure", "measure_rank",
-           "ranks_to_measure", "split_supported"]
+__all__ = ["CATEGORIES", "Measured", "Mode", "RankBytes", "Workload", "fake_group_ddp_hook", "held_bytes", "measure",
+           "measure_rank", "ranks_to_measure", "split_supported"]
 
 CATEGORIES = ("params", "grads", "masters", "optimizer")
 """What :class:`RankBytes` counts, in the order a storage is attributed (Note [what a measured rank holds])."""
@@ -194,6 +194,50 @@ def held_bytes(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -
     return out
 
 
+def fake_group_ddp_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A ``DistributedDataParallel`` communication hook for torch's fake process group.
+
+    torch's DDP cannot run a backward pass under the fake group as it comes: its reducer
+    reads the all-reduce's result from the work's future, which the fake backend completes
+    holding ``None`` ("expected the hook result is either a Tensor or a TensorList found
+    None", torch 2.13). This hook all-reduces the bucket through
+    :func:`shardopt.comm.all_reduce` (the fake group completes it at once and moves nothing)
+    and returns a completed future holding the bucket itself. :func:`measure_rank` registers
+    it with ``ddp.register_comm_hook(None, fake_group_ddp_hook)``.
+
+    Args:
+        state: unused (DDP's hook state).
+        bucket: the gradient bucket DDP hands over.
+
+    Returns:
+        A completed future of the bucket's flat buffer.
+
+    Raises:
+        ValueError: the default process group is not a fake one (the hook would skip the
+            averaging a real group needs).
+    """
+    if not comm.is_fake_group():
+        raise ValueError("fake_group_ddp_hook is for torch's fake process group only (backend 'fake'); the "
+                         f"default group is {dist.get_backend() if dist.is_initialized() else 'not initialised'}: "
+                         "leave DDP's own all-reduce in place on a real group")
+    buffer = bucket.buffer()
+    comm.all_reduce(buffer, None, label="shardopt::ddp::all_reduce").wait()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+# DDP checks the hook's annotations as objects (inspect.signature without eval_str), and this
+# module's ``from __future__ import annotations`` leaves them strings: give it the objects.
+fake_group_ddp_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+def _own_rank_group() -> comm.ProcessGroup:
+    """A group of this rank alone; only this rank takes part in making it (no data moves in it)."""
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+
 @dataclass
 class _Built:
     model: nn.Module
@@ -221,11 +265,11 @@ def _build(mode: Mode, workload: Workload, mixed: bool) -> _Built:
         opt = _oss(module, mixed, None, split=mode is Mode.ZERO2_SPLIT)
         return _Built(ShardedDataParallel(module, opt), module, opt)
     ddp = DDP(module)
-    ddp.register_comm_hook(None, comm.fake_group_ddp_hook)
+    ddp.register_comm_hook(None, fake_group_ddp_hook)
     if mode is Mode.ZERO1:
         return _Built(ddp, module, _oss(module, mixed, None, split=False))
     if mixed:  # fp32 masters on every rank: OSS over a group of this rank alone
-        return _Built(ddp, module, _oss(module, mixed, comm.own_rank_group(), split=False))
+        return _Built(ddp, module, _oss(module, mixed, _own_rank_group(), split=False))
     return _Built(ddp, module, torch.optim.Adam(module.parameters(), lr=1e-3))
 
 

@@ -47,7 +47,8 @@ def scaled(shape: DecoderShape, factor: int) -> DecoderShape:
     if zero:
         raise ValueError(f"--measure-scale {factor} leaves {zero[0]} {sizes[zero[0]]} // {factor} = 0; give a scale "
                          f"of at most {min(sizes.values())}")
-    return replace(shape, **small)
+    return replace(shape, vocab_size=small["vocab_size"], hidden_size=small["hidden_size"],
+                   intermediate_size=small["intermediate_size"], head_dim=small["head_dim"])
 
 
 class _Attention(nn.Module):
