@@ -79,8 +79,7 @@ def _draw_measured(ax: plt.Axes, measured: Measurement, mixed: bool, full_params
                         if m.mode.value == mode and m.mixed is mixed)
         if points:
             ax.plot([n for n, _ in points], [b / GB for _, b in points], color=colour, marker=marker, ms=7,
-                    mfc="none", mew=1.6, linestyle="none",
-                    label=f"measured: {label} (fake group, 1/{measured.scale}-width copy x {factor:.0f})")
+                    mfc="none", mew=1.6, linestyle="none", label=f"measured: {label}")
 
 
 def plot_estimate(path: str, model: Sequence[tuple[int, ...]] | int, what: str,
@@ -112,8 +111,11 @@ def plot_estimate(path: str, model: Sequence[tuple[int, ...]] | int, what: str,
         ax.grid(True, which="both", alpha=0.25)
     axes[0].set_ylabel("model-state GB on the heaviest rank")
     axes[0].legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"Model states per rank: {what} (shardopt estimate; activations and buffers not counted)",
-                 fontsize=11)
+    title = f"Model states per rank: {what} (shardopt estimate; activations and buffers not counted)"
+    if measured is not None:
+        title += (f"\nmarkers: the heaviest rank measured under torch's fake process group on a "
+                  f"1/{measured.scale}-width copy, times {full_params / measured.num_params:.0f} (its parameter ratio)")
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -327,8 +328,9 @@ def render_plan(plan: PlanEstimate, stderr: bool = False) -> None:
     (console if console.is_terminal else Console(width=160, stderr=stderr)).print(table)
 
 
-_MODE_WORDS = {"ddp": "DDP", "zero1": "ZeRO-1, whole parameters", "zero2": "ZeRO-2, whole parameters",
-               "zero2-split": "ZeRO-2, large parameters split by rows", "zero3": "ZeRO-3"}
+_MODE_WORDS = {"ddp": "DDP", "zero1": "ZeRO-1 whole", "zero2": "ZeRO-2 whole", "zero2-split": "ZeRO-2 split",
+               "zero3": "ZeRO-3"}
+_MODE_ORDER = tuple(_MODE_WORDS)
 
 
 def measured_rows(measurement: Measurement) -> list[dict[str, Any]]:
@@ -339,10 +341,10 @@ def measured_rows(measurement: Measurement) -> list[dict[str, Any]]:
         measurement: what was measured.
 
     Returns:
-        The rows, in the order measured, then the skipped modes.
+        The rows by precision (mixed first), world size and mode, then the skipped modes.
     """
     rows: list[dict[str, Any]] = []
-    for m in measurement.results:
+    for m in sorted(measurement.results, key=lambda m: (not m.mixed, m.world_size, _MODE_ORDER.index(m.mode.value))):
         heaviest = m.heaviest
         rows.append({
             "mode": m.mode.value, "stage": _MODE_WORDS[m.mode.value],
@@ -369,25 +371,30 @@ def render_measured(measurement: Measurement, stderr: bool = False) -> None:
     table = Table(title=f"measured under torch's fake process group: a 1/{measurement.scale}-width copy "
                         f"({measurement.num_params:,} params; vocab {shape.vocab_size}, hidden {shape.hidden_size}, "
                         f"{shape.num_layers} layers), one forward/backward/step, then counted before the next step",
-                  caption="bytes = distinct storages of parameters, gradients, fp32 masters (with their gradients) "
-                          "and optimizer state on the rank (Note [what a measured rank holds] in "
-                          "shardopt.fake_ranks); ideal = the same mode at N = 1 with its sharded part divided by N; "
-                          "MB = 1e6 bytes")
-    for name, justify in (("N", "right"), ("mode", "left"), ("precision", "left"), ("ranks measured", "left"),
+                  caption=escape("whole: every parameter owned whole by one rank (OSS today); split: large parameters "
+                                 "owned in row blocks (OSS(split_large_params=True)); bytes = distinct storages of "
+                                 "parameters, gradients, fp32 masters (with their gradients) and optimizer state on "
+                                 "the rank (Note [what a measured rank holds] in shardopt.fake_ranks); ideal = the same "
+                                 "mode at N = 1 with its sharded part divided by N; MB = 1e6 bytes"))
+    for name, justify in (("precision", "left"), ("N", "right"), ("mode", "left"), ("ranks measured", "left"),
                           ("heaviest rank", "right"), ("MB, heaviest", "right"), ("MB, ideal", "right"),
                           ("sharded MB, heaviest", "right"), ("sharded MB, ideal", "right"),
                           ("sharded vs ideal", "right"), ("total vs ideal", "right")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        table.add_column(name, justify=justify, no_wrap=name == "mode")  # type: ignore[arg-type]
+    skipped = []
     for row in measured_rows(measurement):
         if "skipped" in row:
-            table.add_row("", row["stage"], "", f"skipped: {row['skipped']}", *[""] * 7)
+            skipped.append(f"{row['stage']}: skipped, {row['skipped']} (issue 27)")
             continue
         ranks = row["ranks_measured"]
-        table.add_row(str(row["world_size"]), row["stage"], row["precision"],
+        table.add_row(row["precision"], str(row["world_size"]), row["stage"],
                       ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{len(ranks)} ranks",
                       str(row["heaviest_rank"]), f"{row['heaviest_bytes'] / 1e6:.2f}", f"{row['ideal_bytes'] / 1e6:.2f}",
                       f"{row['heaviest_sharded_bytes'] / 1e6:.3f}", f"{row['ideal_sharded_bytes'] / 1e6:.3f}",
                       "-" if row["sharded_ratio"] is None else f"{row['sharded_ratio']:.3f}x",
                       f"{row['total_ratio']:.3f}x")
     console = Console(stderr=stderr)
-    (console if console.is_terminal else Console(width=200, stderr=stderr)).print(table)
+    console = console if console.is_terminal else Console(width=200, stderr=stderr)
+    console.print(table)
+    for line in skipped:
+        console.print(escape(line))
