@@ -199,8 +199,8 @@ def test_split_mode_without_the_keyword_says_what_it_needs() -> None:
 
 
 def test_bad_measure_calls_fail_before_building(fake_group: None) -> None:
-    with pytest.raises(RuntimeError, match="measure_rank makes its own fake default process group, but "
-                                           "torch.distributed is already initialised"):
+    with pytest.raises(RuntimeError, match=r"measure_rank makes its own fake default process group, but "
+                                           r"torch\.distributed is already initialised"):
         measure_rank(_workload(TINY), Mode.DDP, False, 4, 0)
 
 

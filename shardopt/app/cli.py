@@ -56,12 +56,10 @@ EXAMPLES = {
     ),
     "estimate": (
         ("shardopt estimate --params 7.5e9 --world-size 64", "the ZeRO paper's example: 120 / 31.4 / 16.6 / 1.9 GB"),
-        ("shardopt estimate --model llama3-8b --world-size 64 --plot llama.png",
-         "the heaviest rank of the real plan, whole and split, and bytes per rank for N = 1 to 1024"),
+        ("shardopt estimate --model llama3-8b --world-size 64 --measure --plot llama.png",
+         "the heaviest rank of the real plan, whole and split, measured for N = 1 to 1024 under torch's fake group"),
         ("shardopt estimate --hf-config path/to/config.json --world-size 8 --fp32 --json -",
          "a Hugging Face model's shapes, fp32 Adam"),
-        ("shardopt estimate --model llama3-8b --world-size 64 --measure --measure-world-sizes 64,256,1024",
-         "build the real wrappers for sampled ranks of each N under torch's fake group (a 1/16-width copy)"),
     ),
     "convert": (
         ("shardopt convert out/ckpt-sharded out/hf/model.safetensors",
