@@ -237,7 +237,6 @@ def _own_rank_group() -> comm.ProcessGroup:
     return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
-
 @dataclass
 class _Built:
     model: nn.Module

@@ -79,7 +79,7 @@ def _draw_measured(ax: plt.Axes, measured: Measurement, mixed: bool, full_params
                         if m.mode.value == mode and m.mixed is mixed)
         if points:
             ax.plot([n for n, _ in points], [b / GB for _, b in points], color=colour, marker=marker, ms=7,
-                    mfc="none", mew=1.6, linestyle="none", label=f"measured: {label}")
+                    mfc="none", mew=1.6, linestyle="none", clip_on=False, label=f"measured: {label}")
 
 
 def plot_estimate(path: str, model: Sequence[tuple[int, ...]] | int, what: str,
