@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardopt import comm
+from shardopt import comm, failures
 
 __all__ = ["arrive", "check_agreement", "check_same_parameters"]
 
@@ -45,7 +45,7 @@ def check_agreement(what: str, entries: Sequence[tuple[str, Any]], group: comm.P
         ValueError: the first entry that differs, its value on group rank 0 and on the
             first rank that differs (or the entry counts).
     """
-    if comm.group_size(group) == 1 or comm.is_fake_group():
+    if comm.group_size(group) == 1 or failures.is_fake_group():
         return
     described = [(name, repr(value)) for name, value in entries]
     found = _disagreement(described, group)
@@ -77,7 +77,7 @@ def check_same_parameters(what: str, param_groups: Sequence[dict[str, Any]], gro
     Raises:
         ValueError: the first parameter that differs (or the counts), on every rank.
     """
-    if comm.is_fake_group():  # every peer agrees by construction (Note [fake process group] in failures)
+    if failures.is_fake_group():  # every peer agrees by construction (Note [fake process group] in failures)
         return
     desc = [
         (gi, tuple(p.shape), str(p.dtype), bool(p.requires_grad), p.is_contiguous())
@@ -137,7 +137,7 @@ def arrive(label: str, group: comm.ProcessGroup | None, timeout_s: float) -> lis
         The group ranks that had not arrived when the wait timed out; empty when all did.
     """
     size = comm.group_size(group)
-    if size == 1 or comm.is_fake_group():  # a fake group's peers are always present (Note [fake process group])
+    if size == 1 or failures.is_fake_group():  # a fake group's peers are always present (Note [fake process group])
         return []
     store = dist.distributed_c10d._get_default_store()
     ranks = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))

@@ -58,12 +58,13 @@ FSDP's full parameter buffer between phases, whose views must stay valid objects
 from __future__ import annotations
 
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,6 @@ __all__ = [
     "exchange",
     "group_rank",
     "group_size",
-    "is_fake_group",
     "peers",
     "prefers_point_to_point",
     "recv_object",
@@ -168,7 +168,6 @@ def _is_gloo(group: ProcessGroup | None) -> bool:
 
 
 report_failure = failures.report_failure
-is_fake_group = failures.is_fake_group
 
 
 def _wait_work(record: PendingWork) -> None:
@@ -211,7 +210,7 @@ def _blocking(label: str, group: ProcessGroup | None, call: Callable[[], Any], p
                 partner=_global(group, partner) if partner >= 0 else -1).wait()
 
 
-_sequence: dict[Any, int] = {}
+_sequence: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
 def _begin(label: str, group: ProcessGroup | None) -> int:
@@ -221,7 +220,7 @@ def _begin(label: str, group: ProcessGroup | None) -> int:
     of one rank, where nothing is sent)."""
     if group_size(group) == 1:
         return -1
-    key = "world" if group is None or group is dist.group.WORLD else group
+    key = cast(ProcessGroup, dist.group.WORLD if group is None else group)  # a later default group counts from 0
     number = _sequence.get(key, 0)
     _sequence[key] = number + 1
     flight.note_launch(label, number)

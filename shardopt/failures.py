@@ -57,7 +57,10 @@ ended in "rank 0 left (and ranks [2, 3])": the fake list all-to-all (``copy_`` o
 in a store that cannot hold one, named every peer. comm now sends bulk data point to point
 on a fake group as on gloo (Note [gloo point to point] in ``comm``), where the fake
 backend's sends and receives accept any sizes. A real group (gloo, NCCL) never takes these
-branches: the test is the default group's backend name, read once per call.
+branches: the test is the default group's backend name, read once per call. One process may
+play several fake ranks in turn (``shardopt.fake_ranks``), so comm numbers collectives per
+group object: a default group made after another counts from 0 (it used to go on from the
+last one, and ranks forked from such a process started their real group at call #189).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from shardopt import comm
+from shardopt import comm, failures
 from shardopt.nn import ShardedDataParallel
 from shardopt.nn.fsdp import FullyShardedDataParallel, MixedPrecision, ModuleClassPolicy
 from shardopt.optim import OSS
@@ -216,7 +216,7 @@ def fake_group_ddp_hook(state: object, bucket: dist.GradBucket) -> torch.futures
         ValueError: the default process group is not a fake one (the hook would skip the
             averaging a real group needs).
     """
-    if not comm.is_fake_group():
+    if not failures.is_fake_group():
         raise ValueError("fake_group_ddp_hook is for torch's fake process group only (backend 'fake'); the "
                          f"default group is {dist.get_backend() if dist.is_initialized() else 'not initialised'}: "
                          "leave DDP's own all-reduce in place on a real group")
@@ -321,6 +321,8 @@ def measure_rank(workload: Workload, mode: Mode, mixed: bool, world_size: int, r
             built.optimizer.zero_grad(set_to_none=True)
         return RankBytes(mode, mixed, world_size, rank, **held)
     finally:
+        if built is not None and isinstance(built.model, ShardedDataParallel):
+            built.model.close()  # its gradient hooks hold it from C++, out of the cycle collector's sight
         built = None  # drop the wrappers before the group (torch 2.13: freeing DDP after it can block)
         gc.collect()
         dist.destroy_process_group()

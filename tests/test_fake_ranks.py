@@ -6,6 +6,7 @@ the CLI rows, JSON and plot, and one-line errors for bad input."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
@@ -39,6 +40,7 @@ from shardopt.fake_ranks import (
     ranks_to_measure,
     split_supported,
 )
+from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.partition import partition_by_size
 from shardopt.testing import RankFailure, run_ranks
@@ -71,7 +73,7 @@ def fake_group() -> Iterator[None]:
 
 
 def test_fake_group_failure_quotes_the_backend_and_names_no_rank_as_left(fake_group: None) -> None:
-    assert comm.is_fake_group()
+    assert failures.is_fake_group()
     with pytest.raises(failures.CollectiveError) as exc:
         comm.all_reduce(torch.ones(4), None, label="shardopt::sdp::reduce::bucket0").wait()
     message = str(exc.value)
@@ -100,7 +102,7 @@ def _leave_before_the_reduction(rank: int, world_size: int, path: str) -> None:
         seen = "completed"
     except failures.CollectiveError as exc:
         seen = str(exc)
-    Path(path).write_text(json.dumps({"error": seen, "fake": comm.is_fake_group()}))
+    Path(path).write_text(json.dumps({"error": seen, "fake": failures.is_fake_group()}))
 
 
 @pytest.mark.distributed
@@ -113,6 +115,20 @@ def test_a_real_group_still_names_the_rank_that_left(tmp_path: Path) -> None:
     assert seen["error"].startswith("[rank 0] ShardedDataParallel's gradient reduction of bucket 0 did not "
                                     "complete: rank 1 left"), seen
     assert "fake" not in seen["error"], seen
+
+
+def _first_sequence_number(rank: int, world_size: int) -> int:
+    return comm.all_reduce(torch.ones(2), None).seq
+
+
+@pytest.mark.distributed
+def test_a_real_group_made_after_fake_ones_numbers_its_collectives_from_0() -> None:
+    for rank in (0, 1):  # this process plays two fake ranks, issuing collectives, before forking real ranks
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+        comm.all_reduce(torch.ones(2), None).wait()
+        assert comm.all_reduce(torch.ones(2), None).seq == 1  # each fake group counts from 0
+        dist.destroy_process_group()
+    assert run_ranks(_first_sequence_number, 2, timeout_s=60.0) == [0, 0]
 
 
 def test_the_ddp_hook_refuses_a_group_that_is_not_fake() -> None:
@@ -131,6 +147,8 @@ def test_every_mode_builds_trains_and_measures_under_a_fake_group_of_4() -> None
         assert [b.rank for b in r.ranks] == list(ranks_to_measure(r.mode, SHORT.shapes(), 4, r.mixed))
         assert all(b.world_size == 4 and b.total > 0 for b in r.ranks)
     assert not dist.is_initialized()  # each rank's group is gone
+    gc.collect()  # and so is every wrapper (ShardedDataParallel's hooks would keep it alive unless closed)
+    assert not [o for o in gc.get_objects() if isinstance(o, (ShardedDataParallel, OSS))]
 
 
 def _owned(shapes: list[tuple[int, ...]], world_size: int, width: int, rank: int) -> list[int]:
