@@ -42,7 +42,7 @@ from shardopt.fake_ranks import (
 )
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
-from shardopt.partition import partition_by_size
+from shardopt.partition import partition_by_size, plan_split
 from shardopt.testing import RankFailure, run_ranks
 from tests.helpers.cli import assert_one_line_errors
 
@@ -195,6 +195,9 @@ def test_ranks_to_measure_finds_the_heaviest_rank_of_the_plan_oss_builds() -> No
         dist.destroy_process_group()
     heaviest = max(range(n), key=lambda r: (loads[r], -r))
     assert set(ranks) == {0, heaviest, n - 1}
+    split = plan_split([math.prod(s) * 2 for s in shapes], [s[0] if s else 1 for s in shapes], n).rank_bytes
+    assert max(range(n), key=lambda r: (split[r], -r)) in ranks_to_measure(Mode.ZERO2_SPLIT, shapes, n, mixed=True)
+    assert ranks_to_measure(Mode.ZERO3, shapes, n, mixed=True) == ranks_to_measure(Mode.DDP, shapes, n, True) == (0, 7)
 
 
 def test_the_whole_parameter_plan_is_unbalanced_at_64_ranks() -> None:
