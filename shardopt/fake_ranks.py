@@ -143,12 +143,14 @@ class RankBytes:
 # gathered full parameters once freed, buffers, allocator overhead.
 # When: the model trains one forward/backward/step (so the optimizer state exists), then a
 # second forward/backward, and the count is taken before that second step: every gradient the
-# step will use is present (ZeRO-2's and the fp32 masters' reduced gradients included), which
-# is the peak of model states (the step then frees master gradients and, under OSS with
-# masters, the folded low-precision ones). The second step then runs, so a failure in it
-# still shows. Mixed precision: the model is cast to bf16; OSS(master_dtype=torch.float32)
-# (Mode.DDP: over a group of this rank alone, so every rank keeps every master); ZeRO-3 keeps
-# fp32 flat shards and computes in bf16 (MixedPrecision(param_dtype=torch.bfloat16)).
+# step will use is present (ZeRO-2's reduced gradients, in fp32 master gradients with
+# masters; the step then frees them). ZeRO-1 with masters folds its owned bf16 gradients into
+# fp32 master gradients inside the step only (Note [master gradients] in
+# shardopt.optim.masters), so for it this is the paper's count, not the step's peak. The
+# second step then runs, so a failure in it still shows.
+# Mixed precision: the model is cast to bf16 under OSS(master_dtype=torch.float32) (Mode.DDP:
+# over a group of this rank alone, so every rank keeps every master); ZeRO-3 keeps fp32 flat
+# shards and computes in bf16 (MixedPrecision(param_dtype=torch.bfloat16)).
 
 
 def _storages(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
