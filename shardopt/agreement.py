@@ -10,6 +10,11 @@ registered in another order on one rank). So each wrapper describes those inputs
 of named entries and :func:`check_agreement` compares them across ranks once, at
 construction: one object all-gather of a digest, and only on a mismatch a second one of the
 entries, to name the first one that differs and the rank that has it.
+
+Under torch's fake process group (one process playing one rank of N) every peer is this
+process's own program, so it agrees by construction: :func:`check_agreement`,
+:func:`check_same_parameters` and :func:`arrive` return at once, without a collective or a
+store key (Note [fake process group] in ``shardopt.failures``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardopt import comm
+from shardopt import comm, failures
 
 __all__ = ["arrive", "check_agreement", "check_same_parameters"]
 
@@ -40,7 +45,7 @@ def check_agreement(what: str, entries: Sequence[tuple[str, Any]], group: comm.P
         ValueError: the first entry that differs, its value on group rank 0 and on the
             first rank that differs (or the entry counts).
     """
-    if comm.group_size(group) == 1:
+    if comm.group_size(group) == 1 or failures.is_fake_group():
         return
     described = [(name, repr(value)) for name, value in entries]
     found = _disagreement(described, group)
@@ -72,6 +77,8 @@ def check_same_parameters(what: str, param_groups: Sequence[dict[str, Any]], gro
     Raises:
         ValueError: the first parameter that differs (or the counts), on every rank.
     """
+    if failures.is_fake_group():  # every peer agrees by construction (Note [fake process group] in failures)
+        return
     desc = [
         (gi, tuple(p.shape), str(p.dtype), bool(p.requires_grad), p.is_contiguous())
         for gi, g in enumerate(param_groups)
@@ -130,7 +137,7 @@ def arrive(label: str, group: comm.ProcessGroup | None, timeout_s: float) -> lis
         The group ranks that had not arrived when the wait timed out; empty when all did.
     """
     size = comm.group_size(group)
-    if size == 1:
+    if size == 1 or failures.is_fake_group():  # a fake group's peers are always present (Note [fake process group])
         return []
     store = dist.distributed_c10d._get_default_store()
     ranks = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))

@@ -58,12 +58,13 @@ FSDP's full parameter buffer between phases, whose views must stay valid objects
 from __future__ import annotations
 
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -194,8 +195,6 @@ def _launch(label: str) -> Iterator[None]:
             raise failures.collective_error(label, exc) from exc
 
 
-
-
 def _blocking(label: str, group: ProcessGroup | None, call: Callable[[], Any], partner: int = -1) -> None:
     """Run a blocking collective (object exchange, barrier), naming the failure if it fails.
     On gloo it runs on the wait thread and is watched. ``partner``: the other group rank of
@@ -211,7 +210,7 @@ def _blocking(label: str, group: ProcessGroup | None, call: Callable[[], Any], p
                 partner=_global(group, partner) if partner >= 0 else -1).wait()
 
 
-_sequence: dict[Any, int] = {}
+_sequence: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
 def _begin(label: str, group: ProcessGroup | None) -> int:
@@ -221,7 +220,7 @@ def _begin(label: str, group: ProcessGroup | None) -> int:
     of one rank, where nothing is sent)."""
     if group_size(group) == 1:
         return -1
-    key = "world" if group is None or group is dist.group.WORLD else group
+    key = cast(ProcessGroup, dist.group.WORLD if group is None else group)  # a later default group counts from 0
     number = _sequence.get(key, 0)
     _sequence[key] = number + 1
     flight.note_launch(label, number)
@@ -326,10 +325,11 @@ def peers(rank: int, size: int) -> list[int]:
 def prefers_point_to_point(group: ProcessGroup | None, device: torch.device) -> bool:
     """Whether bulk data for ``device`` moves fastest point to point on ``group``.
 
-    True on gloo with more than one rank (Note [gloo point to point]); device tensors then
-    travel through host copies (Note [device tensors on gloo]).
+    True on gloo with more than one rank (Note [gloo point to point]; device tensors travel
+    through host copies, Note [device tensors on gloo]), and on torch's fake group, whose
+    sends take pieces of any size (Note [fake process group] in ``failures``).
     """
-    return group_size(group) > 1 and str(dist.get_backend(group)) == "gloo"
+    return group_size(group) > 1 and str(dist.get_backend(group)) in ("gloo", failures.FAKE_BACKEND)
 
 
 def default_device(group: ProcessGroup | None) -> torch.device:

@@ -31,6 +31,36 @@ rank, naming the first rank whose call differs, before anything can deadlock or 
 buffers (as ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` does for DDP). Cost: one small object
 all-gather per collective; a 4 KiB all-reduce at 2 ranks on gloo went from 1.4 ms to
 3.6 ms (2-core machine, other work running), so it is for debugging only.
+
+Note [fake process group]
+torch's fake process group (``init_process_group("fake", store=FakeStore(), rank=r,
+world_size=N)``, from ``torch.testing._internal.distributed.fake_pg``) lets one process
+build rank ``r`` of ``N`` with real allocations: its collectives complete at once and move
+no data (an all-gather copies this rank's input into every slot, so an object all-gather
+returns this rank's object ``N`` times). Its store implements nothing: ``set``, ``add``,
+``check``, ``get`` and ``wait`` all raise. There are no peers to fail, leave or disagree,
+so with the default group on backend ``"fake"`` (:func:`is_fake_group`):
+
+* the board is off: :func:`report_failure` writes nothing, :func:`any_reported` is
+  ``False``, and a collective that fails (which can only be the fake backend refusing a
+  call, e.g. its list all-to-all with pieces of unequal sizes) raises a
+  :class:`CollectiveError` that quotes the backend and names no rank as failed or left,
+  instead of reading an empty board as "every other rank left";
+* the flight recorder's heartbeat does not start (Note [flight recorder] in ``flight``);
+* the construction-time agreement checks and :func:`shardopt.agreement.arrive` treat
+  every peer as present and agreeing: they return at once, without a collective or a
+  store key (Note [agree before the first collective] in ``agreement``).
+
+Before this mode, ShardedDataParallel's first gradient reduction under a fake group of 4
+ended in "rank 0 left (and ranks [2, 3])": the fake list all-to-all (``copy_`` of input
+``i`` into output ``i``) refused shardopt's uneven pieces, and the board, finding no report
+in a store that cannot hold one, named every peer. comm now sends bulk data point to point
+on a fake group as on gloo (Note [gloo point to point] in ``comm``), where the fake
+backend's sends and receives accept any sizes. A real group (gloo, NCCL) never takes these
+branches: the test is the default group's backend name, read once per call. One process may
+play several fake ranks in turn (``shardopt.fake_ranks``), so comm numbers collectives per
+group object: a default group made after another counts from 0 (it used to go on from the
+last one, and ranks forked from such a process started their real group at call #189).
 """
 
 from __future__ import annotations
@@ -41,7 +71,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "describe", "report_failure"]
+__all__ = ["CollectiveError", "describe", "is_fake_group", "report_failure"]
 
 WATCH_SLICE_S = 0.5
 """How long a gloo wait blocks before it reads the board again."""
@@ -121,6 +151,20 @@ def describe(label: str) -> str:
     return text
 
 
+FAKE_BACKEND = "fake"
+"""The backend name of torch's fake process group (Note [fake process group])."""
+
+
+def is_fake_group() -> bool:
+    """Whether the default process group is torch's fake one (Note [fake process group]).
+
+    Returns:
+        ``True`` when ``torch.distributed`` is initialised with backend ``"fake"``;
+        ``False`` without a default group or on any real backend.
+    """
+    return dist.is_available() and dist.is_initialized() and str(dist.get_backend()) == FAKE_BACKEND
+
+
 def default_store() -> Any:
     """The default process group's store, or ``None`` without one."""
     try:
@@ -137,12 +181,15 @@ def report_failure(message: str, saw: bool = False) -> None:
     without a process group, and never raises. Call it from an ``except`` block of a rank
     that is about to exit (``shardopt.testing.run_ranks`` and the ``shardopt`` command do).
 
+    Under a fake process group there are no peers to tell and the store holds nothing: it
+    does nothing (Note [fake process group]).
+
     Args:
         message: why this rank fails (one line is best).
         saw: this rank only saw a collective fail (internal use).
     """
     store = default_store()
-    if store is None or not dist.is_initialized():
+    if store is None or not dist.is_initialized() or is_fake_group():
         return
     rank = dist.get_rank()
     if rank in _reported:
@@ -156,9 +203,10 @@ def report_failure(message: str, saw: bool = False) -> None:
 
 
 def any_reported() -> bool:
-    """Whether some rank has put a report on the board (one store read)."""
+    """Whether some rank has put a report on the board (one store read); never under a fake
+    process group (Note [fake process group])."""
     store = default_store()
-    if store is None:
+    if store is None or is_fake_group():
         return False
     try:
         return int(store.add(_COUNT_KEY, 0)) > 0
@@ -180,7 +228,16 @@ def _reports(store: Any, world: int) -> dict[int, tuple[str, str]]:
 
 
 def collective_error(label: str, cause: BaseException | str) -> CollectiveError:
-    """Report that this rank saw ``label`` fail, wait for the others' reports, and name the culprit."""
+    """Report that this rank saw ``label`` fail, wait for the others' reports, and name the culprit.
+
+    Under a fake process group the backend itself refused the call (no peer exists to fail
+    or leave): the error quotes it and names no rank (Note [fake process group])."""
+    if is_fake_group():
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return CollectiveError(rank, label, {}, [], first,
+                               why=f"torch's fake process group (one process playing rank {rank} of {world}; no "
+                                   f"other rank exists) refused the call: {first}")
     report_failure(f"saw {describe(label)} fail", saw=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

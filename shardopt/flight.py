@@ -115,10 +115,11 @@ _last: tuple[str, int] = ("", -1)
 
 
 def note_launch(label: str, seq: int) -> None:
-    """Remember the last collective launched (for the heartbeat); start the heartbeat once per process."""
+    """Remember the last collective launched (for the heartbeat); start the heartbeat once per
+    process, except under a fake process group, whose store holds nothing."""
     global _last
     _last = (label, seq)
-    if _HEARTBEAT.pid != os.getpid():
+    if _HEARTBEAT.pid != os.getpid() and not failures.is_fake_group():  # Note [fake process group] in failures
         _HEARTBEAT.start()
 
 

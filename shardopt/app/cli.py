@@ -30,6 +30,7 @@ import torch
 from shardopt import __version__
 from shardopt.app.env_report import report_text
 from shardopt.app.launch import run_launched, under_torchrun
+from shardopt.app.measure import add_measure_args, check_measure_args, measure_for_args
 from shardopt.app.models import PRESETS
 from shardopt.app.modes import MODES, bench_names, get_mode, resolve
 from shardopt.app.precision import PRECISIONS, REDUCE_DTYPES, Precision
@@ -55,8 +56,8 @@ EXAMPLES = {
     ),
     "estimate": (
         ("shardopt estimate --params 7.5e9 --world-size 64", "the ZeRO paper's example: 120 / 31.4 / 16.6 / 1.9 GB"),
-        ("shardopt estimate --model llama3-8b --world-size 64 --plot llama.png",
-         "the heaviest rank of the real plan, whole and split, and bytes per rank for N = 1 to 1024"),
+        ("shardopt estimate --model llama3-8b --world-size 64 --measure --plot llama.png",
+         "the heaviest rank of the real plan, whole and split, measured for N = 1 to 1024 under torch's fake group"),
         ("shardopt estimate --hf-config path/to/config.json --world-size 8 --fp32 --json -",
          "a Hugging Face model's shapes, fp32 Adam"),
     ),
@@ -235,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON; - writes it to "
                      "standard output (the table goes to standard error)")
     est.add_argument("--plot", metavar="PNG", default=None, help="draw bytes per rank against N = 1 to 1024, mixed "
-                     "precision and fp32 (needs matplotlib)")
+                     "precision and fp32 (needs matplotlib); with --measure, the measured points too")
+    add_measure_args(est)
     _add_convert(sub)
     return parser
 
@@ -539,6 +541,10 @@ def _estimate(args: argparse.Namespace) -> int:
             _fail("estimate", "--plot needs matplotlib, which is not installed; pip install matplotlib, or drop "
                   "--plot")
         _check_writable("estimate", "--plot", args.plot, folder=False, why="the plot is written there")
+    try:
+        to_measure = check_measure_args(args)
+    except ValueError as exc:
+        _fail("estimate", str(exc))
     shapes = _estimate_shapes(args)
     plan: PlanEstimate | None = None
     try:
@@ -551,20 +557,22 @@ def _estimate(args: argparse.Namespace) -> int:
             est = plan.formula
     except ValueError as exc:
         _fail("estimate", str(exc))
-    from shardopt.app.render import estimate_rows, render_estimate, render_plan, write_json
+    from shardopt.app.render import estimate_rows, measured_rows, render_estimate, render_plan, write_json
 
     render_estimate(est, stderr=args.json == JSON_TO_STDOUT)
     if plan is not None:
         render_plan(plan, stderr=args.json == JSON_TO_STDOUT)
+    measured = None if to_measure is None else measure_for_args(to_measure, args, stderr=args.json == JSON_TO_STDOUT)
     if args.plot:
         from shardopt.app.estimate_plot import plot_estimate
 
         what = args.model or args.hf_config or f"{args.params:.3g} parameters"
         plot_estimate(args.plot, shapes if shapes is not None else args.params, what,
-                      optimizer_bytes_per_param=args.optimizer_bytes)
+                      optimizer_bytes_per_param=args.optimizer_bytes, measured=measured)
     if args.json:
         write_json(args.json, {"command": "estimate", **est.as_dict(), "rows": estimate_rows(est), "unit": "bytes",
-                               "plan": None if plan is None else plan.as_dict()})
+                               "plan": None if plan is None else plan.as_dict(),
+                               "measured": None if measured is None else measured_rows(measured)})
     return 0
 
 

@@ -5,13 +5,18 @@ to 1024 on a log axis: DDP, ZeRO-1, ZeRO-2 and ZeRO-3 by the ZeRO paper's formul
 (:func:`shardopt.memory.estimate_model_states`), and, when the shapes are known, the heaviest
 rank under the real plans (:func:`shardopt.memory.estimate_plans`): ZeRO-1 and ZeRO-2 with
 whole parameters (OSS today) and ZeRO-2 with large parameters split by rows (planned).
-Needs matplotlib; the command checks for it before calling here.
+With ``--measure``, the heaviest measured rank of each mode is drawn as a marker on the same
+axes: measured on a scaled-down copy and multiplied by the full model's parameters over the
+copy's (every category the count includes grows with the parameter count, as the copy keeps
+each matrix's share). Needs matplotlib; the command checks for it before calling here.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib
 import matplotlib.ticker
@@ -20,6 +25,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from shardopt.memory import GB, estimate_model_states, estimate_plans
+
+if TYPE_CHECKING:
+    from shardopt.app.measure import Measurement
 
 __all__ = ["RANKS", "plot_estimate"]
 
@@ -56,8 +64,26 @@ _STYLE = {  # label: (colour, line style)
 }
 
 
+_MEASURED = {  # mode: (label, colour, marker)
+    "ddp": ("DDP", "#444444", "o"), "zero1": ("ZeRO-1, whole", "#e08a1e", "s"),
+    "zero2": ("ZeRO-2, whole", "#c0392b", "^"), "zero2-split": ("ZeRO-2, split", "#2a7ab9", "v"),
+    "zero3": ("ZeRO-3", "#3a9a4a", "D"),
+}
+
+
+def _draw_measured(ax: plt.Axes, measured: Measurement, mixed: bool, full_params: int) -> None:
+    """The heaviest measured rank of each mode at each N, scaled to the full model."""
+    factor = full_params / measured.num_params
+    for mode, (label, colour, marker) in _MEASURED.items():
+        points = sorted((m.world_size, m.heaviest.total * factor) for m in measured.results
+                        if m.mode.value == mode and m.mixed is mixed)
+        if points:
+            ax.plot([n for n, _ in points], [b / GB for _, b in points], color=colour, marker=marker, ms=7,
+                    mfc="none", mew=1.6, linestyle="none", clip_on=False, label=f"measured: {label}")
+
+
 def plot_estimate(path: str, model: Sequence[tuple[int, ...]] | int, what: str,
-                  optimizer_bytes_per_param: float | None = None) -> None:
+                  optimizer_bytes_per_param: float | None = None, measured: Measurement | None = None) -> None:
     """Draw bytes per rank against N (1 to 1024) for mixed precision and fp32 and write a PNG.
 
     Args:
@@ -65,12 +91,17 @@ def plot_estimate(path: str, model: Sequence[tuple[int, ...]] | int, what: str,
         model: every parameter's shape, or a bare parameter count (formula curves only).
         what: the model's name for the title.
         optimizer_bytes_per_param: K for both panels (default 12 mixed, 8 fp32).
+        measured: ``estimate --measure``'s results, drawn as markers (scaled to ``model``'s
+            parameter count); ``None`` draws the curves only.
     """
+    full_params = model if isinstance(model, int) else sum(math.prod(s) for s in model)
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for ax, mixed in zip(axes, (True, False), strict=True):
         for label, values in _curves(model, mixed, optimizer_bytes_per_param).items():
             colour, style = _STYLE[label]
             ax.plot(RANKS, [v / GB for v in values], color=colour, linestyle=style, lw=2, label=label)
+        if measured is not None:
+            _draw_measured(ax, measured, mixed, full_params)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
         ax.set_yscale("log")
@@ -80,8 +111,11 @@ def plot_estimate(path: str, model: Sequence[tuple[int, ...]] | int, what: str,
         ax.grid(True, which="both", alpha=0.25)
     axes[0].set_ylabel("model-state GB on the heaviest rank")
     axes[0].legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"Model states per rank: {what} (shardopt estimate; activations and buffers not counted)",
-                 fontsize=11)
+    title = f"Model states per rank: {what} (shardopt estimate; activations and buffers not counted)"
+    if measured is not None:
+        title += (f"\nmarkers: the heaviest rank measured under torch's fake process group on a "
+                  f"1/{measured.scale}-width copy, times {full_params / measured.num_params:.0f} (its parameter ratio)")
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -17,10 +17,11 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -29,8 +30,11 @@ from shardopt.app import runner
 from shardopt.files import atomic_write
 from shardopt.memory import GB, ModelStateEstimate, PlanEstimate, capabilities
 
-__all__ = ["JSON_TO_STDOUT", "demo_rank", "demo_table", "estimate_rows", "machine_info", "mib", "render_estimate",
-           "render_plan",
+if TYPE_CHECKING:  # the measurement (and torch's fake group) loads only with estimate --measure
+    from shardopt.app.measure import Measurement
+
+__all__ = ["JSON_TO_STDOUT", "demo_rank", "demo_table", "estimate_rows", "machine_info", "measured_rows", "mib",
+           "render_estimate", "render_measured", "render_plan",
            "stdout_kept_for_json", "write_json"]
 
 JSON_TO_STDOUT = "-"
@@ -322,3 +326,75 @@ def render_plan(plan: PlanEstimate, stderr: bool = False) -> None:
                       f"{row['vs_formula']:.3f}x")
     console = Console(stderr=stderr)
     (console if console.is_terminal else Console(width=160, stderr=stderr)).print(table)
+
+
+_MODE_WORDS = {"ddp": "DDP", "zero1": "ZeRO-1 whole", "zero2": "ZeRO-2 whole", "zero2-split": "ZeRO-2 split",
+               "zero3": "ZeRO-3"}
+_MODE_ORDER = tuple(_MODE_WORDS)
+
+
+def measured_rows(measurement: Measurement) -> list[dict[str, Any]]:
+    """One row per mode, precision and world size of ``estimate --measure``, as plain values
+    (Note [the ideal share] in :mod:`shardopt.fake_ranks`); a skipped mode is one row with ``skipped``.
+
+    Args:
+        measurement: what was measured.
+
+    Returns:
+        The rows by precision (mixed first), world size and mode, then the skipped modes.
+    """
+    rows: list[dict[str, Any]] = []
+    for m in sorted(measurement.results, key=lambda m: (not m.mixed, m.world_size, _MODE_ORDER.index(m.mode.value))):
+        heaviest = m.heaviest
+        rows.append({
+            "mode": m.mode.value, "stage": _MODE_WORDS[m.mode.value],
+            "precision": "bf16 + fp32 masters" if m.mixed else "fp32", "world_size": m.world_size,
+            "ranks_measured": [r.rank for r in m.ranks], "heaviest_rank": heaviest.rank,
+            "heaviest_bytes": heaviest.total, "heaviest_sharded_bytes": max(r.sharded for r in m.ranks),
+            "ideal_bytes": m.ideal_total, "ideal_sharded_bytes": m.ideal_sharded, "sharded_ratio": m.sharded_ratio,
+            "total_ratio": m.total_ratio, "sharded": list(m.mode.sharded),
+            "per_rank": [{"rank": r.rank, "params": r.params, "grads": r.grads, "masters": r.masters,
+                          "optimizer": r.optimizer, "total": r.total} for r in m.ranks]})
+    for mode, why in measurement.skipped:
+        rows.append({"mode": mode.value, "stage": _MODE_WORDS[mode.value], "skipped": why})
+    return rows
+
+
+def render_measured(measurement: Measurement, stderr: bool = False) -> None:
+    """Print ``estimate --measure``'s rows as a rich table.
+
+    Args:
+        measurement: what was measured.
+        stderr: print on standard error.
+    """
+    shape = measurement.shape
+    table = Table(title=f"measured under torch's fake process group: a 1/{measurement.scale}-width copy "
+                        f"({measurement.num_params:,} params; vocab {shape.vocab_size}, hidden {shape.hidden_size}, "
+                        f"{shape.num_layers} layers), one forward/backward/step, then counted before the next step",
+                  caption=escape("whole: every parameter owned whole by one rank (OSS today); split: large parameters "
+                                 "owned in row blocks (OSS(split_large_params=True)); bytes = distinct storages of "
+                                 "parameters, gradients, fp32 masters (with their gradients) and optimizer state on "
+                                 "the rank (Note [what a measured rank holds] in shardopt.fake_ranks); ideal = the same "
+                                 "mode at N = 1 with its sharded part divided by N; MB = 1e6 bytes"))
+    for name, justify in (("precision", "left"), ("N", "right"), ("mode", "left"), ("ranks measured", "left"),
+                          ("heaviest rank", "right"), ("MB, heaviest", "right"), ("MB, ideal", "right"),
+                          ("sharded MB, heaviest", "right"), ("sharded MB, ideal", "right"),
+                          ("sharded vs ideal", "right"), ("total vs ideal", "right")):
+        table.add_column(name, justify=justify, no_wrap=name == "mode")  # type: ignore[arg-type]
+    skipped = []
+    for row in measured_rows(measurement):
+        if "skipped" in row:
+            skipped.append(f"{row['stage']}: skipped, {row['skipped']} (issue 27)")
+            continue
+        ranks = row["ranks_measured"]
+        table.add_row(row["precision"], str(row["world_size"]), row["stage"],
+                      ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{len(ranks)} ranks",
+                      str(row["heaviest_rank"]), f"{row['heaviest_bytes'] / 1e6:.2f}", f"{row['ideal_bytes'] / 1e6:.2f}",
+                      f"{row['heaviest_sharded_bytes'] / 1e6:.3f}", f"{row['ideal_sharded_bytes'] / 1e6:.3f}",
+                      "-" if row["sharded_ratio"] is None else f"{row['sharded_ratio']:.3f}x",
+                      f"{row['total_ratio']:.3f}x")
+    console = Console(stderr=stderr)
+    console = console if console.is_terminal else Console(width=200, stderr=stderr)
+    console.print(table)
+    for line in skipped:
+        console.print(escape(line))
