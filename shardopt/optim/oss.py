@@ -32,7 +32,7 @@ from shardopt.optim import sharded_entries
 from shardopt.optim.elementwise import resolve_split, warn_if_unbalanced
 from shardopt.optim.grad_norm import clip_for_wrapper, clip_params
 from shardopt.optim.masters import MasterWeights, check_master_dtype, needs_master
-from shardopt.optim.owned_rows import OwnedRows
+from shardopt.optim.local_shard import LocalShard, hyper
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
 from shardopt.optim.state_transport import (Fragments, Snapshot, StateByIndex, collect, cut_rows, migrate,
                                             refuse_stale_masters, state_to_param, to_cpu)
@@ -60,9 +60,7 @@ def _group_ranges(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], ra
     return ranges
 
 
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's hyperparameters (everything but ``params``)."""
-    return {k: v for k, v in group.items() if k != "params"}
+_hyper = hyper
 
 
 class OSS(Optimizer):
@@ -147,8 +145,9 @@ class OSS(Optimizer):
         self.rank = comm.group_rank(group)
         self.broadcast_fp16 = broadcast_fp16
         self._consolidated: Snapshot | None = None
-        self._parked: StateByIndex = {}
         self._masters = MasterWeights(master_dtype)
+        self._plan: SplitPlan  # set by _repartition, with the rest of the plan's state
+        self._shard: LocalShard
         if any(p.is_meta for p in self.params):
             raise ValueError("OSS got meta-device parameters: call module.to_empty(device=...) and re-initialise first")
         self._check_same_params_on_all_ranks()
@@ -188,13 +187,13 @@ class OSS(Optimizer):
 
     def owns(self, index: int) -> bool:
         """Whether this rank owns rows of ``params[index]`` (frozen parameters have an owner too)."""
-        return self._owned.owns(index)
+        return self._shard.owned.owns(index)
 
     def owned_rows(self, param: torch.Tensor) -> tuple[int, int] | None:
         """The dim-0 rows ``[start, stop)`` of ``param`` this rank owns (all of them for a
         parameter kept whole), or ``None``."""
         index = self._index_of.get(param)
-        return None if index is None else self._owned.rows.get(index)
+        return None if index is None else self._shard.owned.rows.get(index)
 
     def grad_holder(self, param: torch.Tensor) -> torch.Tensor | None:
         """The tensor whose ``.grad`` the step reads for this rank's rows of a trainable
@@ -202,17 +201,9 @@ class OSS(Optimizer):
         :mod:`shardopt.optim.owned_rows`), or ``param`` itself; ``None`` where this rank owns
         none of it or it is frozen."""
         index = self._index_of.get(param)
-        if index is None or not self._owned.owns(index) or not param.requires_grad:
+        if index is None or not self._shard.owned.owns(index) or not param.requires_grad:
             return None
-        return self._stepped(index, param)
-
-    def _stepped(self, index: int, param: torch.Tensor) -> torch.Tensor:
-        """What the shard optimizer steps for ``params[index]``: its master, its row view, or itself."""
-        master = self._masters.get(index)
-        if master is not None:
-            return master
-        view = self._owned.view(index)
-        return param if view is None else view
+        return self._shard.stepped(index, param)
 
     @property
     def master_dtype(self) -> torch.dtype | None:
@@ -236,10 +227,7 @@ class OSS(Optimizer):
         call it first to work on fp32 gradients (Note [master gradients] in shardopt.optim.masters). Local: no
         collective. Without masters it does nothing.
         """
-        params = self.params
-        self._owned.refresh(params)
-        self._masters.fold_grads(params)
-        self._owned.link_grads(params)
+        self._shard.collect_grads(self.params)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """fairscale's view: for each rank, its param groups restricted to its trainable params.
@@ -303,7 +291,7 @@ class OSS(Optimizer):
                     "param.data = param.data.contiguous() or module.to(memory_format=torch.contiguous_format)"
                 )
         sizes = [p.numel() * p.element_size() if p.requires_grad else 0 for p in params]
-        fragments = self._local_fragments() if migrate else {}  # masters travel in them
+        fragments = self._shard.fragments(self.params) if migrate else {}  # masters travel in them
         rows = [p.shape[0] if p.dim() else 1 for p in params]
         if self.split_large_params:
             quanta = [cut_quantum(p.numel() // r if r else 0) for p, r in zip(params, rows, strict=True)]
@@ -312,47 +300,19 @@ class OSS(Optimizer):
             self._plan = plan_whole(sizes, rows, self.world_size)
         first = {b.param: b.owner for b in reversed(self._plan.blocks)}
         self._partition = Partition(self.world_size, tuple(sizes), tuple(first[i] for i in range(len(params))))
-        self._owned = OwnedRows(self._plan, self.rank)
+        self._shard = LocalShard(self._plan, self.rank, self._masters)
         self._trainable_sig = tuple(p.requires_grad for p in params)
         old_state = self._migrate_state(fragments) if migrate else {}
-        trainable = {i for i in self._owned.rows if sizes[i] > 0}
-        self._masters.rebuild(params, trainable, {i: old_state[i].pop(MASTER_KEY) for i in trainable
-                                                  if MASTER_KEY in old_state.get(i, {})}, self._owned.split_rows())
-        self._owned.build_views(params, [i for i in trainable if self._masters.get(i) is None])
         self._index_of = {p: i for i, p in enumerate(params)}
-        shard_groups = [{**_hyper(g), "params": [self._stepped(i, p) for i, p in zip(indices, g["params"], strict=True)
-                                                 if i in trainable]}
-                        for g, indices in _group_ranges(self.param_groups)]
         # See Note [shard optimizer rebuild].
-        self.optim: Optimizer = self._optim_cls(shard_groups, **self._optim_defaults)
-        self._parked = {}
-        for i, state in old_state.items():
-            if i not in trainable:
-                self._parked[i] = state
-            elif state:
-                self.optim.state[self._stepped(i, params[i])] = state
+        self.optim: Optimizer = self._shard.build(params, _group_ranges(self.param_groups), self._optim_cls,
+                                                  self._optim_defaults, old_state)
         self.state = self.optim.state  # type: ignore[assignment]
         self._pull_hyperparams()
         self._gather = ParamGather(
             list(params), self._plan, self.rank, self.group, DEFAULT_GATHER_BUCKET_BYTES, self.broadcast_fp16
         )
         self._consolidated = None
-
-    def _local_state_by_index(self) -> StateByIndex:
-        """This rank's optimizer state (live and parked, masters under ``MASTER_KEY``), keyed
-        by index in :attr:`params`."""
-        params = self.params
-        self._masters.follow_outside_writes(params)
-        index = {self._stepped(i, p): i for i, p in enumerate(params)}
-        state = {index[p]: s for p, s in self.optim.state.items() if p in index and s}
-        for i, master in self._masters.items():
-            state[i] = {**state.get(i, {}), MASTER_KEY: master}
-        state.update(self._parked)
-        return state
-
-    def _local_fragments(self) -> Fragments:
-        """:meth:`_local_state_by_index` keyed by index and the rows each entry covers."""
-        return {(i, *self._owned.rows[i]): s for i, s in self._local_state_by_index().items()}
 
     def _migrate_state(self, fragments: Fragments) -> StateByIndex:
         """Send each state fragment whose rows changed owner to the new owners, one rank at a time."""
@@ -402,7 +362,6 @@ class OSS(Optimizer):
         self._push_hyperparams()
         params = self.params
         self._masters.follow_outside_writes(params)
-        self._owned.refresh(params)
         if closure is not None:
             user_closure = closure
 
@@ -410,17 +369,14 @@ class OSS(Optimizer):
                 # Folded after the closure's backward only: folding first moved no_sync sums into
                 # the masters before DDP's reduction in that backward (other ranks' were lost).
                 loss = user_closure()
-                self._masters.fold_grads(params)
-                self._owned.link_grads(params)
+                self._shard.collect_grads(params)
                 return loss
 
             loss = self.optim.step(closure=folding_closure, **kwargs)
         else:
-            self._masters.fold_grads(params)
-            self._owned.link_grads(params)
+            self._shard.collect_grads(params)
             loss = self.optim.step(**kwargs)
-        self._masters.write_back(params)
-        self._owned.free_grads()  # Note [row views] in shardopt.optim.owned_rows
+        self._shard.after_step(params)
         self._pull_hyperparams()
         self._gather.gather()
         return loss
@@ -438,8 +394,7 @@ class OSS(Optimizer):
             set_to_none: drop the parameters' gradients instead of zeroing them.
         """
         super().zero_grad(set_to_none=set_to_none)
-        self._masters.free_grads()
-        self._owned.free_grads()
+        self._shard.free_grads()
 
     def clip_grad_norm(
         self,
@@ -497,7 +452,7 @@ class OSS(Optimizer):
         if not isinstance(recipient_rank, int) or not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
                              f"got {recipient_rank!r}; pass the rank that will save the checkpoint")
-        local = {key: to_cpu(s) for key, s in self._local_fragments().items()}
+        local = {key: to_cpu(s) for key, s in self._shard.fragments(self.params).items()}
         merged = collect(local, recipient_rank, self.rank, self.world_size, self.group)
         self._consolidated = None if merged is None else Snapshot(merged, tuple(p._version for p in self.params))
 
@@ -573,7 +528,7 @@ class OSS(Optimizer):
         check_state_fits(state_dict["state"], to_index, params)  # before anything changes
         state = {to_index[k]: dict(s) for k, s in state_dict["state"].items()}
         self._warn_ignored_masters([i for i, s in state.items() if MASTER_KEY in s])
-        mine, rows = self._owned.rows, self._plan.rows
+        mine, rows = self._shard.owned.rows, self._plan.rows
         self._install({i: cut_rows(s, (0, rows[i]), mine[i]) for i, s in state.items() if i in mine}, groups)
 
     def _warn_ignored_masters(self, indices: list[int]) -> None:
@@ -589,33 +544,15 @@ class OSS(Optimizer):
     def _install(self, state: StateByIndex, groups: list[dict[str, Any]]) -> None:
         """Take the saved hyperparameters of every group and the state of this rank's rows
         (``state``: by index, already cut to the rows this rank owns, masters included)."""
-        params = self.params
         for g, saved in zip(self.param_groups, groups, strict=False):
             g.update(_hyper(saved))
-        saved_masters = {i: s.pop(MASTER_KEY) for i, s in state.items() if MASTER_KEY in s}
-        self._warn_ignored_masters(list(saved_masters))
-        ignored = {i for i in saved_masters if not needs_master(params[i].dtype, self.master_dtype)}
-        position = {self._stepped(i, p): i for i, p in enumerate(params)}
-        local_groups = [
-            {**_hyper(g), "params": [position[p] for p in sg["params"]]}
-            for g, sg in zip(self.param_groups, self.optim.param_groups, strict=True)
-        ]
-        trainable = {i for sg in local_groups for i in sg["params"]}
-        self.optim.load_state_dict(
-            {"state": {i: s for i, s in state.items() if i in trainable}, "param_groups": local_groups}
-        )
-        missing = self._masters.load(params, saved_masters)
+        self._warn_ignored_masters([i for i, s in state.items() if MASTER_KEY in s])
+        missing = self._shard.install(self.params, state, _group_ranges(self.param_groups))
         if missing:
             _warn_once("masters-missing", f"state_dict has no master weights for {len(missing)} parameter(s) this "
                        f"rank steps in {self.master_dtype} (first: {missing[0]}), as when it was saved without "
                        "master_dtype: their masters restart from the parameters' values; load the model's weights "
                        "as well")
-        global_groups = self._group_of_global()
-        self._parked = {}
-        for i in range(len(params)):
-            if self._owned.owns(i) and i not in trainable and (i in state or i in saved_masters):
-                kept = {MASTER_KEY: saved_masters[i]} if i in saved_masters and i not in ignored else {}
-                self._parked[i] = state_to_param({**state.get(i, {}), **kept}, params[i], global_groups[i])
         self.state = self.optim.state  # type: ignore[assignment]
         self._consolidated = None
 
@@ -632,14 +569,14 @@ class OSS(Optimizer):
             ``torch.distributed.checkpoint`` (each written by its owner only), the other values
             for a small metadata file.
         """
-        return sharded_entries.encode(self._local_fragments(), self._plan.rows)
+        return sharded_entries.encode(self._shard.fragments(self.params), self._plan.rows)
 
     def sharded_state_template(self, saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
         """Empty tensors, for ``dcp.load`` to fill, for the ``saved`` entries (shape and dtype by
         key, as in :meth:`sharded_state_entries`) whose rows this rank owns now, frozen
         parameters included."""
         devices = {i: p.device for i, p in enumerate(self.params)}
-        return sharded_entries.template(saved, self._owned.rows, self._plan.rows, devices)
+        return sharded_entries.template(saved, self._shard.owned.rows, self._plan.rows, devices)
 
     def load_sharded_state_entries(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any],
                                    param_groups: list[dict[str, Any]]) -> None:
@@ -654,7 +591,7 @@ class OSS(Optimizer):
             ValueError: as :meth:`load_state_dict`, or the saved fragments cover only part of
                 the rows this rank owns.
         """
-        state = sharded_entries.decode(tensors, values, self._owned.rows, self._plan.rows)
-        whole = {i: s for i, s in state.items() if i not in self._owned.split}
+        state = sharded_entries.decode(tensors, values, self._shard.owned.rows, self._plan.rows)
+        whole = {i: s for i, s in state.items() if i not in self._shard.owned.split}
         check_state_fits(whole, {i: i for i in whole}, self.params)
         self._install(state, param_groups)

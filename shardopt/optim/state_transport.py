@@ -20,6 +20,7 @@ rest from the first. A whole parameter's single fragment passes unchanged (no co
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,7 @@ def join_rows(parts: Iterable[tuple[Rows, Mapping[str, Any]]], index: int) -> tu
     (start, stop), first = ordered[0]
     if len(ordered) == 1:
         return (start, stop), dict(first)
-    for (rows, entry), (next_rows, next_entry) in zip(ordered, ordered[1:], strict=False):
+    for (rows, entry), (next_rows, next_entry) in itertools.pairwise(ordered):
         if rows[1] != next_rows[0] or set(entry) != set(next_entry):
             raise ValueError(f"state fragments of parameter {index} do not join: rows {rows} then {next_rows}, names "
                              f"{sorted(entry)} then {sorted(next_entry)}; the state was saved from another plan and is "
