@@ -82,7 +82,7 @@ without split parameters is exactly the plan of whole parameters.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -173,7 +173,7 @@ def plan_buckets(
     cap_numel: int,
     wire_dtype_of: dict[torch.dtype, torch.dtype],
     grad_dtype_of: dict[torch.dtype, torch.dtype] | None = None,
-    split: dict[int, Sequence[Block]] | None = None,
+    split: Mapping[int, Sequence[Block]] | None = None,
 ) -> list[BucketSpec]:
     """Pack parameters into buckets of at most ``cap_numel`` gradient elements.
 
@@ -247,7 +247,7 @@ def plan_buckets(
 
 
 def _blocks(params: Sequence[torch.nn.Parameter], owners: Sequence[int],
-            split: dict[int, Sequence[Block]]) -> list[tuple[Block, ...]]:
+            split: Mapping[int, Sequence[Block]]) -> list[tuple[Block, ...]]:
     """Each parameter's blocks: its ``split`` ones, checked, or one whole block on its owner."""
     out = []
     for j, p in enumerate(params):
