@@ -226,6 +226,15 @@ class MasterWeights:
             self._agreed[i] = p._version
             master.grad = None
 
+    def after_gather(self, params: Sequence[torch.Tensor]) -> None:
+        """The post-step gather wrote the other owners' rows of the split parameters: their
+        masters' rows are untouched, so they still agree (without this the next step would
+        compare each one with its rows, a host read per split master per step; Note [masters
+        follow outside writes])."""
+        for i in self._rows:
+            if i in self._masters:
+                self._agreed[i] = params[i]._version
+
     def free_grads(self) -> None:
         """Drop every master's gradient."""
         for master in self._masters.values():

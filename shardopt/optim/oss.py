@@ -379,6 +379,7 @@ class OSS(Optimizer):
         self._shard.after_step(params)
         self._pull_hyperparams()
         self._gather.gather()
+        self._masters.after_gather(params)
         return loss
 
     @property
