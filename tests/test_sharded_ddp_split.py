@@ -26,7 +26,7 @@ from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff
-from tests.helpers.ddp_arithmetic import add_to_grads, average_in_rank_order, reference_backward
+from tests.helpers.ddp_arithmetic import reference_backward
 from tests.helpers.sdp import VocabModel, rel_diff, tolerance, vocab_loss
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)

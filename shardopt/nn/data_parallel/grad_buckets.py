@@ -82,6 +82,7 @@ without split parameters is exactly the plan of whole parameters.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -255,7 +256,7 @@ def _blocks(params: Sequence[torch.nn.Parameter], owners: Sequence[int],
         blocks = tuple(split.get(j, ())) or (Block(j, 0, rows, owners[j]),)
         cuts = [(b.row_start, b.row_stop) for b in blocks]
         tiled = (all(b.param == j for b in blocks) and cuts[0][0] == 0 and cuts[-1][1] == rows
-                 and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:])))
+                 and all(a[1] == b[0] for a, b in itertools.pairwise(cuts)))
         if not tiled or len({b.owner for b in blocks}) != len(blocks):
             raise ValueError(
                 f"split[{j}] = {cuts} (owners {[b.owner for b in blocks]}) for a parameter of {rows} rows: the blocks "
