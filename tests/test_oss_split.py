@@ -273,6 +273,11 @@ def _errors(rank: int, world_size: int) -> dict[str, Any]:
         split = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
         out["split_warning"] = [str(w.message) for w in caught if "heaviest rank" in str(w.message)]
     out["split_default"] = split.split_large_params
+    try:  # torch's Muon refuses 1-D parameters: only their owners build it over one
+        OSS(model.parameters(), optim=torch.optim.Muon, lr=0.02)
+        out["muon-1d"] = "no error"
+    except ValueError as exc:
+        out["muon-1d"] = str(exc)
     out["adafactor_default"] = OSS(model.parameters(), optim=torch.optim.Adafactor).split_large_params
     return out
 
@@ -285,3 +290,6 @@ def test_split_arguments_are_checked_and_an_unbalanced_whole_plan_warns_naming_t
         assert len(r["unbalanced_warning"]) == 1 and re.search(r"parameter [03] \(shape \(384, 64\)", r["unbalanced_warning"][0]), r
         assert "split_large_params=False" in r["unbalanced_warning"][0]
         assert r["split_warning"] == [] and r["split_default"] is True and r["adafactor_default"] is False
+        # every rank raises, naming the rank whose parameters Muon refused (not "rank N left" later)
+        assert re.match(r"OSS: building Muon over the parameters each rank owns failed on rank\(s\) \[.*\]; on rank \d: "
+                        "ValueError: Muon only supports 2D parameters", r["muon-1d"]), r["muon-1d"]
