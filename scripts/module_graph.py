@@ -53,13 +53,15 @@ LEVELS: dict[str, int] = {
     "shardopt.comm": 3, "shardopt.testing": 3,
     # what both the optimizers and the wrappers use
     "shardopt.agreement": 4, "shardopt.checkpoint": 4, "shardopt.clipping": 4,
-    "shardopt.optim": 5,  # ZeRO-1
-    "shardopt.nn": 6,  # what both wrappers share (nn/module_checks.py)
-    "shardopt.nn.data_parallel": 7, "shardopt.nn.fsdp": 7,  # ZeRO-2 and ZeRO-3: neither imports the other
-    "shardopt": 8,  # the package's re-exports
-    "shardopt.integrations": 9,  # Lightning, Hugging Face: above the library
-    "shardopt.app": 10,  # the ``shardopt`` command
-    ENTRY: 11,
+    # the hybrid layout (shard group x replicate group), checked with agreement, for all three stages
+    "shardopt.hybrid": 5,
+    "shardopt.optim": 6,  # ZeRO-1
+    "shardopt.nn": 7,  # what both wrappers share (nn/module_checks.py)
+    "shardopt.nn.data_parallel": 8, "shardopt.nn.fsdp": 8,  # ZeRO-2 and ZeRO-3: neither imports the other
+    "shardopt": 9,  # the package's re-exports
+    "shardopt.integrations": 10,  # Lightning, Hugging Face: above the library
+    "shardopt.app": 11,  # the ``shardopt`` command
+    ENTRY: 12,
 }
 
 

@@ -18,10 +18,24 @@ def test_torch_elementwise_optimizers_may_be_split(name: str) -> None:
     assert updates_elementwise(cls([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1))
 
 
-def test_fused_and_foreach_forms_are_the_same_class_and_may_be_split() -> None:
+FUSED_ON_CPU = ["SGD", "Adam", "AdamW", "Adagrad"]  # torch 2.13: the others take no `fused` argument
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_foreach_and_fused_forms_are_the_same_class_and_may_be_split(name: str) -> None:
+    cls = getattr(torch.optim, name)
     p = [torch.nn.Parameter(torch.zeros(2, 2))]
-    assert updates_elementwise(torch.optim.AdamW(p, foreach=True))
-    assert updates_elementwise(torch.optim.Adam(p, fused=True))
+    assert updates_elementwise(cls(p, lr=0.1, foreach=True))
+    assert updates_elementwise(cls(p, lr=0.1, foreach=False))
+    if name in FUSED_ON_CPU:
+        assert updates_elementwise(cls(p, lr=0.1, fused=True))
+
+
+def test_matrix_wise_instances_keep_whole_parameters_whatever_their_flags() -> None:
+    p = [torch.nn.Parameter(torch.zeros(3, 2))]
+    assert not updates_elementwise(torch.optim.Muon(p, lr=0.02, nesterov=False, adjust_lr_fn="match_rms_adamw"))
+    assert not updates_elementwise(torch.optim.Adafactor(p, foreach=True))
+    assert not updates_elementwise(torch.optim.LBFGS(p))
 
 
 @pytest.mark.parametrize("name", MATRIX_OR_UNKNOWN)

@@ -120,11 +120,11 @@ def test_zero1_with_split_parameters_equals_ddp_bit_for_bit(world_size: int) -> 
         assert max(loads) <= sum(loads) / world_size + 2 * per_row, (name, loads)
 
 
-def _state_and_checkpoints(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    """Save split at ``world_size``: consolidated and sharded; reload elsewhere in the test."""
+def _state_and_checkpoints(rank: int, world_size: int, folder: str, split: bool = True) -> dict[str, Any]:
+    """Save (split or not) at ``world_size``: consolidated and sharded; reload elsewhere in the test."""
     model = _lm()
     ddp = DDP(model)
-    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1, split_large_params=split)
     _train([ddp], [opt], rank, range(STEPS))
     opt.consolidate_state_dict(recipient_rank=0)
     full = opt.state_dict() if rank == 0 else None
@@ -172,6 +172,12 @@ def test_split_state_consolidates_to_torch_format_and_reloads_at_any_world_size_
         results = run_ranks(_resume, world_size, str(tmp_path), how, split, timeout_s=120)
         for rank, r in enumerate(results):
             assert r["diff"] == 0.0 and r["same_state"], (world_size, how, split, rank, r)
+    # A checkpoint of whole parameters (every checkpoint written before split ownership existed has
+    # this layout: keys "<index>.<name>") loads into split OSS at another world size.
+    whole = run_ranks(_state_and_checkpoints, 2, str(tmp_path), False, timeout_s=120)
+    assert whole[0]["split"] == ()
+    for rank, r in enumerate(run_ranks(_resume, 3, str(tmp_path), "sharded", True, timeout_s=120)):
+        assert r["split"] and r["diff"] == 0.0 and r["same_state"], (rank, r)
 
 
 def _freeze_and_groups(rank: int, world_size: int) -> dict[str, Any]:
@@ -273,6 +279,11 @@ def _errors(rank: int, world_size: int) -> dict[str, Any]:
         split = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
         out["split_warning"] = [str(w.message) for w in caught if "heaviest rank" in str(w.message)]
     out["split_default"] = split.split_large_params
+    try:  # torch's Muon refuses 1-D parameters: only their owners build it over one
+        OSS(model.parameters(), optim=torch.optim.Muon, lr=0.02)
+        out["muon-1d"] = "no error"
+    except ValueError as exc:
+        out["muon-1d"] = str(exc)
     out["adafactor_default"] = OSS(model.parameters(), optim=torch.optim.Adafactor).split_large_params
     return out
 
@@ -285,3 +296,6 @@ def test_split_arguments_are_checked_and_an_unbalanced_whole_plan_warns_naming_t
         assert len(r["unbalanced_warning"]) == 1 and re.search(r"parameter [03] \(shape \(384, 64\)", r["unbalanced_warning"][0]), r
         assert "split_large_params=False" in r["unbalanced_warning"][0]
         assert r["split_warning"] == [] and r["split_default"] is True and r["adafactor_default"] is False
+        # every rank raises, naming the rank whose parameters Muon refused (not "rank N left" later)
+        assert re.match(r"OSS: building Muon over the parameters each rank owns failed on rank\(s\) \[.*\]; on rank \d: "
+                        "ValueError: Muon only supports 2D parameters", r["muon-1d"]), r["muon-1d"]

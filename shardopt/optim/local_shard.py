@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from shardopt import comm
+from shardopt.agreement import raise_if_any_failed
 from shardopt.optim.masters import MasterWeights, needs_master
 from shardopt.optim.owned_rows import OwnedRows
 from shardopt.optim.state_transport import Fragments, StateByIndex, state_to_param
@@ -50,7 +52,8 @@ class LocalShard:
         self.optim: Optimizer | None = None
 
     def build(self, params: Sequence[torch.Tensor], groups: list[tuple[dict[str, Any], range]],
-              optim_cls: type[Optimizer], defaults: dict[str, Any], carried: StateByIndex) -> Optimizer:
+              optim_cls: type[Optimizer], defaults: dict[str, Any], carried: StateByIndex,
+              group: comm.ProcessGroup | None) -> Optimizer:
         """Build the wrapped optimizer over this rank's trainable rows and take ``carried`` state.
 
         Args:
@@ -59,6 +62,11 @@ class LocalShard:
             optim_cls: the wrapped optimizer class, and ``defaults`` its arguments.
             defaults: the wrapped optimizer's keyword arguments.
             carried: state this rank keeps or received for its rows (masters included).
+            group: OSS's group: if the optimizer refuses what one rank owns (torch's Muon and a
+                1-D parameter), every rank raises (:func:`~shardopt.agreement.raise_if_any_failed`).
+
+        Raises:
+            ValueError: the wrapped optimizer refused the parameters of some rank (named).
         """
         sizes = self.owned.plan.sizes
         trainable = {i for i in self.owned.rows if sizes[i] > 0}
@@ -67,7 +75,14 @@ class LocalShard:
         self.owned.build_views(params, [i for i in trainable if self.masters.get(i) is None])
         shard_groups = [{**hyper(g), "params": [self.stepped(i, params[i]) for i in indices if i in trainable]}
                         for g, indices in groups]
-        self.optim = optim_cls(shard_groups, **defaults)
+        failure = None
+        try:
+            self.optim = optim_cls(shard_groups, **defaults)
+        except (ValueError, TypeError, RuntimeError) as exc:  # it refused what this rank owns
+            failure = exc
+        raise_if_any_failed(f"OSS: building {optim_cls.__qualname__} over the parameters each rank owns", failure,
+                            group)
+        assert self.optim is not None
         self.parked = {}
         for i, state in carried.items():
             if i not in trainable:

@@ -306,7 +306,7 @@ class OSS(Optimizer):
         self._index_of = {p: i for i, p in enumerate(params)}
         # See Note [shard optimizer rebuild].
         self.optim: Optimizer = self._shard.build(params, _group_ranges(self.param_groups), self._optim_cls,
-                                                  self._optim_defaults, old_state)
+                                                  self._optim_defaults, old_state, self.group)
         self.state = self.optim.state  # type: ignore[assignment]
         self._pull_hyperparams()
         self._gather = ParamGather(
