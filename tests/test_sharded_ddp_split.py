@@ -13,7 +13,6 @@ bound is that of tests/test_sharded_ddp.py (``tolerance``: 1e-6 relative).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -334,24 +333,24 @@ def test_an_unused_split_parameter_does_not_hang_and_matches_ddp_find_unused() -
 def _bytes(rank: int, world_size: int) -> dict[str, Any]:
     ddp_model, split_model, whole_model = VocabModel(), VocabModel(), VocabModel()
     ddp = DDP(ddp_model)
-    ddp_opt = torch.optim.Adam(ddp_model.parameters(), lr=1e-3)
-    runs: dict[str, tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]] = {"ddp": (ddp, ddp_opt)}
-    for name, model, split in (("split", split_model, True), ("whole", whole_model, False)):
-        sdp, opt = _zero2(model, torch.optim.Adam, split, lr=1e-3)
-        runs[name] = (sdp, opt)
-    out: dict[str, Any] = {"split_names": _split_names(split_model, runs["split"][1])}  # type: ignore[arg-type]
-    for name, (model, opt) in runs.items():
+    split_sdp, split_opt = _zero2(split_model, torch.optim.Adam, True, lr=1e-3)
+    whole_sdp, whole_opt = _zero2(whole_model, torch.optim.Adam, False, lr=1e-3)
+    runs: list[tuple[str, nn.Module, torch.optim.Optimizer]] = [
+        ("ddp", ddp, torch.optim.Adam(ddp_model.parameters(), lr=1e-3)), ("split", split_sdp, split_opt),
+        ("whole", whole_sdp, whole_opt)]
+    out: dict[str, Any] = {"split_names": _split_names(split_model, split_opt)}
+    for name, model, opt in runs:
         for step in range(3):
             torch.distributed.barrier()
             before = bytes_sent()
             opt.zero_grad()
-            vocab_loss(model, rank, step).backward()  # type: ignore[arg-type]
+            vocab_loss(model, rank, step).backward()
             opt.step()
             after = bytes_sent()
             assert before is not None and after is not None
             out[name] = after - before
-    for name in ("split", "whole"):
-        runs[name][0].close()  # type: ignore[union-attr]
+    split_sdp.close()
+    whole_sdp.close()
     del ddp, runs
     return out
 
@@ -362,6 +361,6 @@ def test_split_zero2_sends_no_more_bytes_per_step_than_ddp(world_size: int) -> N
         print(f"\nworld_size={world_size} bytes/step: ddp={out['ddp']} whole={out['whole']} split={out['split']} "
               f"split/ddp={out['split'] / out['ddp']:.3f}")
         assert out["split_names"], out
-        # As tests/test_sharded_ddp.py: within 2% of DDP (gloo's framing and the startup checks'
-        # small messages vary by a few hundred bytes between runs).
+        # wchar counts every write of the process (the flight recorder's heartbeats into the
+        # store too), so allow tests/test_sharded_ddp.py's 2%; measured 0.9993-0.9999x.
         assert out["split"] <= 1.02 * out["ddp"], out
