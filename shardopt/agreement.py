@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from shardopt import comm, failures
 
-__all__ = ["arrive", "check_agreement", "check_same_parameters"]
+__all__ = ["arrive", "check_agreement", "check_same_parameters", "raise_if_any_failed"]
 
 
 def check_agreement(what: str, entries: Sequence[tuple[str, Any]], group: comm.ProcessGroup | None,
@@ -99,6 +99,31 @@ def check_same_parameters(what: str, param_groups: Sequence[dict[str, Any]], gro
         f"{what} was given different parameter lists on different ranks: {detail}; every rank must "
         "pass the same parameters in the same order (build the model identically on all ranks)"
     )
+
+
+def raise_if_any_failed(what: str, error: BaseException | None, group: comm.ProcessGroup | None) -> None:
+    """Raise on every rank of ``group`` if building ``what`` failed on any of them.
+
+    A step that only some ranks take (building the wrapped optimizer over the parameters a
+    rank owns: torch's Muon refuses a 1-D parameter only where it is owned) would otherwise
+    leave the others to fail later, in their next collective, with a "rank left" error that
+    hides the cause. One object all-gather of each rank's error text (``None`` when it built).
+
+    Args:
+        what: what was being built, for the message.
+        error: this rank's exception, or ``None``.
+        group: the ranks that must all have succeeded.
+
+    Raises:
+        ValueError: naming the first failed rank and its error (chained from this rank's own
+            exception where it failed).
+    """
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    texts = [text] if comm.group_size(group) == 1 else comm.all_gather_object(text, group)
+    failed = [r for r, t in enumerate(texts) if t is not None]
+    if not failed:
+        return
+    raise ValueError(f"{what} failed on rank(s) {failed}; on rank {failed[0]}: {texts[failed[0]]}") from error
 
 
 def _disagreement(described: list[Any], group: comm.ProcessGroup | None) -> tuple[int, list[Any], list[Any]] | None:

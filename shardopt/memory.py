@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardopt.partition import partition_by_size, plan_split
+from shardopt.partition import cut_quantum, partition_by_size, plan_split
 
 __all__ = [
     "MemoryRecorder",
@@ -292,7 +292,9 @@ def estimate_plans(
     width = formula.param_bytes
     sizes = [n * width for n in numels]
     whole = partition_by_size(sizes, world_size)
-    split = plan_split(sizes, [shape[0] if len(shape) else 1 for shape in shapes], world_size)
+    rows = [shape[0] if len(shape) else 1 for shape in shapes]
+    quanta = [cut_quantum(n // r if r else 0) for n, r in zip(numels, rows, strict=True)]  # as OSS cuts
+    split = plan_split(sizes, rows, world_size, quanta)
     return PlanEstimate(formula, max(whole.rank_bytes) // width, max(split.rank_bytes) // width,
                         whole.imbalance, split.imbalance, len(split.split_params))
 

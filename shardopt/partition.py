@@ -7,19 +7,22 @@ the optimizer and the data-parallel wrapper agree on ownership without talking.
 Two planners. :func:`partition_by_size` gives each parameter whole to one rank (what
 :class:`~shardopt.optim.OSS` uses today). :func:`plan_split` also cuts a parameter larger than
 its fair share into contiguous dim-0 blocks of whole rows owned by several ranks
-(:class:`Block`, :class:`SplitPlan`; Note [split plan]). Nothing in the library uses the
-split plan yet: ``shardopt estimate`` reports it next to the whole-parameter plan.
+(:class:`Block`, :class:`SplitPlan`; Note [split plan]), at cuts aligned for exact kernels
+(Note [aligned cuts]); :func:`plan_whole` is the same record with every parameter whole. OSS
+plans with one or the other (``split_large_params``).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["Block", "Partition", "SplitPlan", "partition_by_size", "plan_split"]
+__all__ = ["CUT_ALIGN_ELEMENTS", "Block", "Partition", "SplitPlan", "cut_quantum", "partition_by_size", "plan_split",
+           "plan_whole"]
 
 
 
@@ -147,7 +150,43 @@ def _lpt(sizes: Sequence[int], indices: Sequence[int], num_ranks: int) -> tuple[
 #    tie). A parameter with one row or none (a 0-dim tensor is one row) is never split.
 #
 # Blocks of one parameter are contiguous, in row order, and owned by ascending ranks; the
-# arithmetic is integers and Fractions, so every rank computes the same plan.
+# arithmetic is integers and Fractions, so every rank computes the same plan. With a cut
+# quantum q_i (Note [aligned cuts]) every cut of parameter i falls on a multiple of q_i rows:
+# read "row" above as "q_i rows" (R is then the widest quantum in bytes, and a parameter is
+# splittable when it has at least two quanta).
+
+
+# Note [aligned cuts]
+# An elementwise optimizer on a block of rows is not always bit for bit the same optimizer on
+# the whole tensor. torch's CPU kernels run a vectorized loop over chunks of 2 vectors and a
+# scalar loop over the tail (ATen's `vectorized_loop`), and the two may round differently
+# (the vector path of `add(alpha=)` is a fused multiply-add, the scalar one is not). A block
+# has its own tail, so elements near a cut could take the other path than in the whole
+# tensor. Measured with torch 2.13 on CPU (AVX-512 and AVX2 dispatch, one thread): bf16 SGD
+# with momentum, RMSprop with momentum and ASGD, and fp32 fused SGD and Adam, differ by one
+# rounding on a few elements of unaligned row blocks, and never when every block but the last
+# is a multiple of 64 elements (2 vectors of the widest type: 32 bf16 lanes of AVX-512). So OSS
+# cuts parameter i only at multiples of `cut_quantum(row_numel) = 64 / gcd(64, row_numel)` rows:
+# one row for any width that is a multiple of 64 (every hidden size of a real model), up to 64
+# rows for odd widths. With several intra-op threads a kernel also splits a large tensor at
+# thread boundaries that depend on its length, so exactness against the unsplit step holds for
+# one thread per rank (bf16 and fused kernels; the fp32 for-loop and foreach forms measured
+# exact either way).
+CUT_ALIGN_ELEMENTS = 64
+"""Every block but a parameter's last holds a multiple of this many elements (Note [aligned cuts])."""
+
+
+def cut_quantum(row_numel: int) -> int:
+    """Rows per cut unit of a parameter whose rows hold ``row_numel`` elements (Note [aligned cuts]).
+
+    Args:
+        row_numel: elements in one dim-0 row (``numel // shape[0]``; 1 for a 0-dim tensor).
+
+    Returns:
+        The smallest row count whose elements are a multiple of :data:`CUT_ALIGN_ELEMENTS` (1 when
+        ``row_numel`` is 0).
+    """
+    return 1 if row_numel <= 0 else CUT_ALIGN_ELEMENTS // math.gcd(CUT_ALIGN_ELEMENTS, row_numel)
 
 
 @dataclass(frozen=True)
@@ -184,9 +223,10 @@ class SplitPlan:
         sizes: bytes of each parameter.
         rows: dim-0 length of each parameter (1 for a 0-dim tensor).
         blocks: every block, ordered by parameter then first row.
-        row_slack: R, the widest row in bytes of any parameter with >= 2 rows (0 if none):
-            the heaviest rank is promised to be within ``mean + R`` when every parameter
-            can be split.
+        row_slack: R, the widest cut quantum in bytes (one row without quanta) of any
+            parameter with at least two quanta (0 if none, and for :func:`plan_whole`): the
+            heaviest rank is promised to be within ``mean + R`` when every parameter can be
+            split.
     """
 
     num_ranks: int
@@ -229,7 +269,8 @@ class SplitPlan:
         return tuple(b for b in self.blocks if b.owner == rank)
 
 
-def plan_split(sizes: Sequence[int], rows: Sequence[int], num_ranks: int) -> SplitPlan:
+def plan_split(sizes: Sequence[int], rows: Sequence[int], num_ranks: int,
+               quanta: Sequence[int] | None = None) -> SplitPlan:
     """Assign parameters to ranks, cutting large ones into dim-0 blocks of whole rows.
 
     How it works: Note [split plan]. Parameters at most ``mean + R`` bytes stay whole (LPT,
@@ -243,31 +284,26 @@ def plan_split(sizes: Sequence[int], rows: Sequence[int], num_ranks: int) -> Spl
         rows: each parameter's dim-0 length (``shape[0]``; 1 for a 0-dim tensor); each size
             must be a whole number of rows.
         num_ranks: how many ranks to spread them over (>= 1).
+        quanta: optional cut quantum of each parameter in rows (>= 1): its cuts fall only on
+            multiples of it (OSS passes :func:`cut_quantum`, Note [aligned cuts]). Default: 1.
 
     Returns:
         The frozen :class:`SplitPlan`.
 
     Raises:
-        ValueError: ``num_ranks`` < 1, a negative size or row count, ``rows`` of another
-            length than ``sizes``, or a size that is not a whole number of rows.
+        ValueError: ``num_ranks`` < 1, a negative size or row count, ``rows`` or ``quanta`` of
+            another length than ``sizes``, a quantum < 1, or a size that is not a whole number
+            of rows.
     """
-    _check_sizes(sizes, num_ranks)
-    if len(rows) != len(sizes):
-        raise ValueError(f"rows ({len(rows)}) and sizes ({len(sizes)}) differ in length; give one dim-0 length "
-                         "per parameter")
-    for i, (size, count) in enumerate(zip(sizes, rows, strict=True)):
-        if count < 0 or (count == 0 and size != 0) or (count > 0 and size % count):
-            raise ValueError(f"parameter {i} has size {size} and rows {count}: sizes must be whole rows (numel * "
-                             "element_size with rows = shape[0], 1 for a 0-dim tensor)")
-    sizes_t, rows_t = tuple(int(s) for s in sizes), tuple(int(r) for r in rows)
-    splittable = sorted((i for i in range(len(sizes_t)) if rows_t[i] >= 2 and sizes_t[i] > 0),
+    sizes_t, rows_t, quanta_t = _check_rows(sizes, rows, num_ranks, quanta)
+    splittable = sorted((i for i in range(len(sizes_t)) if rows_t[i] > quanta_t[i] and sizes_t[i] > 0),
                         key=lambda i: (-sizes_t[i], i))
-    slack = max((sizes_t[i] // rows_t[i] for i in splittable), default=0)
+    slack = max((sizes_t[i] // rows_t[i] * quanta_t[i] for i in splittable), default=0)
     mean = Fraction(sum(sizes_t), num_ranks)
     count = sum(1 for i in splittable if sizes_t[i] > mean + slack)
     best: tuple[int, list[Block]] | None = None
     while True:
-        blocks, heaviest = _plan_with(sizes_t, rows_t, num_ranks, set(splittable[:count]))
+        blocks, heaviest = _plan_with(sizes_t, rows_t, quanta_t, num_ranks, set(splittable[:count]))
         if best is None or heaviest < best[0]:
             best = (heaviest, blocks)
         if heaviest <= mean + slack or count == len(splittable):
@@ -275,6 +311,44 @@ def plan_split(sizes: Sequence[int], rows: Sequence[int], num_ranks: int) -> Spl
         count += 1
     return SplitPlan(num_ranks, sizes_t, rows_t, tuple(sorted(best[1], key=lambda b: (b.param, b.row_start))),
                      slack)
+
+
+def plan_whole(sizes: Sequence[int], rows: Sequence[int], num_ranks: int) -> SplitPlan:
+    """The :class:`SplitPlan` that keeps every parameter whole: one block each, on the owner
+    :func:`partition_by_size` gives it (what OSS plans for a matrix-wise optimizer).
+
+    Args:
+        sizes: bytes of each parameter, in a fixed order; non-negative ints.
+        rows: each parameter's dim-0 length (1 for a 0-dim tensor), as for :func:`plan_split`.
+        num_ranks: how many ranks to spread them over (>= 1).
+
+    Raises:
+        ValueError: as :func:`plan_split`.
+    """
+    sizes_t, rows_t, _ = _check_rows(sizes, rows, num_ranks, None)
+    owners = partition_by_size(sizes_t, num_ranks).owners
+    return SplitPlan(num_ranks, sizes_t, rows_t, tuple(Block(i, 0, rows_t[i], owners[i]) for i in range(len(sizes_t))),
+                     0)
+
+
+def _check_rows(sizes: Sequence[int], rows: Sequence[int], num_ranks: int,
+                quanta: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Validate a planner's input; return sizes, rows and quanta as int tuples."""
+    _check_sizes(sizes, num_ranks)
+    if len(rows) != len(sizes):
+        raise ValueError(f"rows ({len(rows)}) and sizes ({len(sizes)}) differ in length; give one dim-0 length "
+                         "per parameter")
+    if quanta is not None and len(quanta) != len(sizes):
+        raise ValueError(f"quanta ({len(quanta)}) and sizes ({len(sizes)}) differ in length; give one cut quantum "
+                         "per parameter, or none")
+    if quanta is not None and any(q < 1 for q in quanta):
+        raise ValueError(f"quanta must be >= 1 rows, got {min(quanta)}; pass cut_quantum(row_numel) per parameter")
+    for i, (size, count) in enumerate(zip(sizes, rows, strict=True)):
+        if count < 0 or (count == 0 and size != 0) or (count > 0 and size % count):
+            raise ValueError(f"parameter {i} has size {size} and rows {count}: sizes must be whole rows (numel * "
+                             "element_size with rows = shape[0], 1 for a 0-dim tensor)")
+    quanta_t = tuple(int(q) for q in quanta) if quanta is not None else (1,) * len(sizes)
+    return tuple(int(s) for s in sizes), tuple(int(r) for r in rows), quanta_t
 
 
 def _water_level(loads: Sequence[int], amount: int) -> Fraction:
@@ -289,7 +363,7 @@ def _water_level(loads: Sequence[int], amount: int) -> Fraction:
     raise AssertionError("unreachable: the last rank always closes the loop")
 
 
-def _plan_with(sizes: tuple[int, ...], rows: tuple[int, ...], num_ranks: int,
+def _plan_with(sizes: tuple[int, ...], rows: tuple[int, ...], quanta: tuple[int, ...], num_ranks: int,
                split: set[int]) -> tuple[list[Block], int]:
     """Blocks and the heaviest rank's bytes with ``split`` cut and everything else whole."""
     whole = [i for i in range(len(sizes)) if i not in split]
@@ -303,7 +377,7 @@ def _plan_with(sizes: tuple[int, ...], rows: tuple[int, ...], num_ranks: int,
     position, filled = (0, 0), Fraction(0)  # (index into stream, row): where the next rank starts
     for rank in range(num_ranks):
         filled += max(Fraction(0), level - loads[rank])
-        end = _cut_at(sizes, rows, stream, offsets, filled)
+        end = _cut_at(sizes, rows, quanta, stream, offsets, filled)
         for j in range(position[0], min(end[0], len(stream) - 1) + 1):
             start = position[1] if j == position[0] else 0
             stop = end[1] if j == end[0] else rows[stream[j]]
@@ -314,11 +388,13 @@ def _plan_with(sizes: tuple[int, ...], rows: tuple[int, ...], num_ranks: int,
     return blocks, max(loads)
 
 
-def _cut_at(sizes: tuple[int, ...], rows: tuple[int, ...], stream: Sequence[int], offsets: Sequence[int],
-            filled: Fraction) -> tuple[int, int]:
-    """The row boundary of the stream at or below byte ``filled``, as (stream index, row)."""
+def _cut_at(sizes: tuple[int, ...], rows: tuple[int, ...], quanta: tuple[int, ...], stream: Sequence[int],
+            offsets: Sequence[int], filled: Fraction) -> tuple[int, int]:
+    """The cut (a multiple of the parameter's quantum) of the stream at or below byte
+    ``filled``, as (stream index, row)."""
     if filled >= offsets[-1]:
         return (len(stream), 0)
     j = bisect.bisect_right(offsets, filled) - 1
     row_bytes = sizes[stream[j]] // rows[stream[j]]
-    return (j, int((filled - offsets[j]) // row_bytes))
+    row = int((filled - offsets[j]) // row_bytes)
+    return (j, row - row % quanta[stream[j]])

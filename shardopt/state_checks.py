@@ -242,7 +242,9 @@ def check_indexed_state(where: str, optimizer: torch.optim.Optimizer, shapes: li
         groups.append({"params": list(range(start, start + size))})
         start += size
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, (shape, dtype) in sorted(saved.items(), key=lambda item: int(item[0].split(".", 1)[0])):
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
+    for key, (shape, dtype) in sorted(saved.items(), key=lambda item: int(item[0].split(".", 1)[0].split("@")[0])):
+        head, name = key.split(".", 1)
+        if "@" in head:  # a block of a split parameter (Note [fragment keys] in shardopt.optim.sharded_entries)
+            continue  # its rows are checked when they are joined at load
+        state.setdefault(int(head), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
     check_optimizer_state(where, optimizer, {"state": state, "param_groups": groups}, shapes)

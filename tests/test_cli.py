@@ -78,7 +78,8 @@ BAD_ARGUMENTS = [
     (["demo", "--resume-if-exists"], "--resume-if-exists needs --checkpoint PATH (where to resume from)"),
     (["demo", "--save-every", "5"], "--save-every needs --checkpoint PATH (where to save)"),
     (["demo", "--mode", "torch-zero", "--checkpoint", "x.pt"], "--checkpoint is not supported with mode "
-     "'torch-zero' (shardopt cannot consolidate its optimizer state); use one of ddp, zero1, zero2, zero3, fsdp2"),
+     "'torch-zero' (shardopt cannot consolidate its optimizer state); use one of ddp, zero1, zero2, zero2-split, "
+     "zero3, fsdp2"),
     (["demo", "--resume", "--resume-if-exists"], "argument --resume-if-exists: not allowed with argument --resume"),
     (["bench", "--steps", "2"], "--steps 2 leaves nothing to measure after --warmup-steps 2"),
     (["bench", "--plot", "x.png"], "--plot needs matplotlib"),
@@ -261,7 +262,8 @@ def test_sharded_modes_match_ddp_with_accumulation_under_bf16_and_fp16(tmp_path:
 
 def test_bench_compares_modes_with_ddp_in_json_and_table(tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    modes = "zero1,zero2,zero3,torch-zero,fsdp2" + (",fairscale,fairscale-default" if _installed("fairscale") else "")
+    modes = "zero1,zero2,zero2-split,zero3,torch-zero,fsdp2" + (
+        ",fairscale,fairscale-default" if _installed("fairscale") else "")
     assert main(["bench", *TINY, "--steps", "4", "--warmup-steps", "1", "--modes", modes, "--json", str(out)]) == 0
     data = _json(out)
     results = {r["mode"]: r for r in data["results"]}
@@ -272,7 +274,7 @@ def test_bench_compares_modes_with_ddp_in_json_and_table(tmp_path: Any, capfd: p
         for rank in r["ranks"]:
             assert rank["heap_after_step"] > 0 and rank["heap_peak"] > 0 and rank["bytes_per_step"] > 0, name
         assert r["time_ratio"] > 0 and r["heap_ratio"] > 0 and r["bytes_ratio"] > 0, name
-    for name in ("zero1", "zero2", "zero3", "torch-zero"):  # same arithmetic as DDP at 2 ranks in fp32
+    for name in ("zero1", "zero2", "zero2-split", "zero3", "torch-zero"):  # same arithmetic as DDP at 2 ranks in fp32
         assert results[name]["max_param_diff"] == 0.0, (name, results[name]["max_param_diff"])
     assert 0 <= results["fsdp2"]["max_param_diff"] < 1e-5
     if "fairscale" in results:  # fairscale is exact with set_to_none=False and drifts with its default

@@ -44,6 +44,7 @@ def _audit(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for precision in ("fp32", "bf16-master"):
         sdp, opt = _build(precision)
+        out[f"{precision}/splits"] = len(opt.plan.split_params)  # Adam splits the largest layer from 2 ranks
         for step in range(3):
             opt.zero_grad(set_to_none=step % 2 == 0)
             with HostReadAudit() as audit:
@@ -95,6 +96,8 @@ def _audit(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_zero2_backward_and_step_read_nothing_from_the_device_when_every_parameter_is_used(world_size: int) -> None:
     for rank, out in enumerate(run_ranks(_audit, world_size, timeout_s=120)):
+        # the audit covers split parameters' rows (Note [split parameters in buckets]) where there are any
+        assert all((out[f"{p}/splits"] > 0) == (world_size > 1) for p in ("fp32", "bf16-master")), out
         for key in [k for k in out if "/backward" in k and not k.startswith("unused")] + [
                 k for k in out if "/step" in k]:
             assert out[key] == [], (rank, key, out[key])

@@ -68,17 +68,21 @@ def test_llama3_8b_whole_parameter_plan_is_4_19_16_7_67x_off_and_the_split_plan_
 
 
 def test_plan_estimate_counts_the_heaviest_ranks_own_parameters() -> None:
-    # 3 ranks, a 6x2 matrix and two 4-element vectors (20 parameters): whole, one rank owns the 12-element
-    # matrix; split, the vectors go to ranks 0 and 1 and the matrix's rows fill the ranks to 20/3 rounded down
-    # to whole rows: 1 row to rank 0, 1 to rank 1, 4 to rank 2 (8 elements, within one row of 20/3)
-    plan = memory.estimate_plans([(6, 2), (4,), (4,)], 3, mixed_precision=False)
-    assert (plan.unsplit_heaviest_params, plan.unsplit_imbalance) == (12, 12 / (20 / 3))
-    assert plan.split_param_count == 1 and plan.split_heaviest_params == 8
-    assert plan.stage1(False) == 8 * 20 + 8 * 12 and plan.stage2(True) == 4 * 20 + 12 * 8
+    # 3 ranks, a 6x64 matrix and two 128-element vectors (640 parameters): whole, one rank owns the
+    # 384-element matrix; split (cuts on 64-element quanta, as OSS cuts: a row of the matrix, 64 elements
+    # of a vector), the vectors go to ranks 0 and 1 and the matrix's rows fill the ranks to 640/3 rounded
+    # down to whole rows: 1 row to rank 0, 1 to rank 1, 4 to rank 2 (256 elements, within one row of 640/3)
+    shapes = [(6, 64), (128,), (128,)]
+    plan = memory.estimate_plans(shapes, 3, mixed_precision=False)
+    assert (plan.unsplit_heaviest_params, plan.unsplit_imbalance) == (384, 384 / (640 / 3))
+    assert plan.split_param_count == 1 and plan.split_heaviest_params == 256
+    assert plan.stage1(False) == 8 * 640 + 8 * 384 and plan.stage2(True) == 4 * 640 + 12 * 256
     assert plan.stage2_at_step(True) == plan.stage2(True)  # fp32: no master gradients
-    mixed = memory.estimate_plans([(6, 2), (4,), (4,)], 3)
-    assert mixed.stage2_at_step(False) == mixed.stage2(False) + 2 * 12
+    mixed = memory.estimate_plans(shapes, 3)
+    assert mixed.stage2_at_step(False) == mixed.stage2(False) + 2 * 384
     assert mixed.as_dict()["stage1_split_at_step_bytes"] == mixed.stage1_at_step(True)
+    tiny = memory.estimate_plans([(6, 2), (4,), (4,)], 3)  # rows of 2 elements: a quantum is 32 rows, more
+    assert tiny.split_param_count == 0  # than the matrix has, so nothing can be cut on an aligned boundary
     with pytest.raises(ValueError, match="shapes must describe at least one parameter element, got 0 shapes"):
         memory.estimate_plans([], 2)
 

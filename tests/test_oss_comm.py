@@ -85,7 +85,7 @@ def _sync_bytes(rank: int, world_size: int) -> dict[str, Any]:
         # streams: the same matrices packed (direct transfers off); fp16: packed, half the bytes.
         for wire, fp16, direct_min in (("direct", False, None), ("streams", False, 2**40), ("fp16", True, None)):
             model = _wide_model()
-            opt = OSS(model.parameters(), optim=SGD, lr=0.1, broadcast_fp16=fp16)
+            opt = OSS(model.parameters(), optim=SGD, lr=0.1, broadcast_fp16=fp16, split_large_params=False)  # whole-parameter paths
             if direct_min is not None:
                 opt._gather = ParamGather(list(opt.params), opt.partition, rank, None, direct_min_bytes=direct_min)
             for p in model.parameters():

@@ -261,8 +261,9 @@ def _mixed_origins(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         checkpoint.load_consolidated(f"{folder}/plain.pt", model, opt)
     out["no_masters_warns"] = any("has no master weights" in str(w.message) for w in caught)
-    out["masters_start_from_params"] = all(torch.equal(opt.master_of(p), p.detach().float())  # type: ignore[arg-type]
-                                           for p in model.parameters() if opt.master_of(p) is not None)
+    out["masters_start_from_params"] = all(  # a master copies the rows its rank owns (all of a whole parameter)
+        torch.equal(opt.master_of(p), p.detach()[slice(*opt.owned_rows(p))].float())  # type: ignore[arg-type, misc]
+        for p in model.parameters() if opt.master_of(p) is not None)
     _train(model, opt, rank, range(2, 4))
     checkpoint.save_consolidated(f"{folder}/masters.pt", model, opt)
     back = low_mlp(seed=4)

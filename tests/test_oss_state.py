@@ -82,7 +82,7 @@ def _save_at_two(rank: int, world_size: int) -> dict[str, Any]:
     real_send = comm.send_object
 
     def recording_send(obj: Any, dst: int, group: Any) -> None:
-        sent.append((dst, sorted(obj)))
+        sent.append((dst, sorted(key[0] for key in obj)))  # keys are (index, row start, row stop)
         real_send(obj, dst, group)
 
     comm.send_object = recording_send  # type: ignore[assignment]
@@ -193,9 +193,11 @@ def _clip(rank: int, world_size: int) -> list[tuple[str, float, float]]:
         counted = [q for q in ref.parameters() if filter_fn is None or q.dim() > 1]
         expected = torch.nn.utils.clip_grad_norm_(counted, max_norm, norm_type=norm_type)
         total = opt.clip_grad_norm(max_norm, norm_type=norm_type, filter_params_fn=filter_fn)
-        owned = [(p, q) for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters()))
+        owned = [(p, q, opt.owned_rows(p)) for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters()))
                  if opt.owns(i) and (filter_fn is None or p.dim() > 1)]
-        grad_diff = max((float((p.grad - q.grad).abs().max()) for p, q in owned), default=0.0)  # type: ignore[operator]
+        # An owner scales the rows it owns (all of a whole parameter's); the others scale theirs.
+        grad_diff = max((float((p.grad[a:b] - q.grad[a:b]).abs().max()) for p, q, (a, b) in owned),  # type: ignore[index]
+                        default=0.0)
         label = f"{make.__name__} p={norm_type} max_norm={max_norm} filtered={filter_fn is not None}"
         rows.append((label, abs(float(total) - float(expected)), grad_diff))
     return rows
@@ -223,7 +225,8 @@ def _state_bytes(rank: int, world_size: int) -> tuple[int, int, int]:
         o.step()
 
     def nbytes(state: dict[Any, dict[str, Any]]) -> list[int]:
-        return [sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor))
+        # Per-element state only: every block of a split parameter keeps its own 0-dim ``step``.
+        return [sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
                 for s in state.values()]
 
     return sum(nbytes(opt.optim.state)), sum(nbytes(full.state)), max(nbytes(full.state))

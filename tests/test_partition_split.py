@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardopt.partition import Block, SplitPlan, partition_by_size, plan_split
+from shardopt.partition import CUT_ALIGN_ELEMENTS, Block, SplitPlan, cut_quantum, partition_by_size, plan_split, plan_whole
 
 # (rows, bytes per row): rows 0 (an empty tensor), 1 (a 0-dim or one-row tensor) and many
 params_st = st.lists(st.tuples(st.integers(min_value=0, max_value=300), st.integers(min_value=1, max_value=64)),
@@ -112,3 +112,54 @@ def test_bad_arguments_name_the_problem() -> None:
         plan_split([2, 4], [1, 0], 2)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         plan_split([4], [2], 2).blocks_of_rank(2)
+
+
+quanta_params_st = st.lists(st.tuples(st.integers(min_value=0, max_value=300), st.integers(min_value=1, max_value=64),
+                                      st.integers(min_value=1, max_value=8)), min_size=0, max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(params=quanta_params_st, num_ranks=ranks_st)
+def test_cuts_fall_on_quanta_and_the_heaviest_rank_is_within_one_quantum_of_the_mean(
+        params: list[tuple[int, int, int]], num_ranks: int) -> None:
+    sizes, rows = [r * w for r, w, _ in params], [r for r, _, _ in params]
+    quanta = [q for _, _, q in params]
+    plan = plan_split(sizes, rows, num_ranks, quanta)
+    for b in plan.blocks:
+        assert b.row_start % quanta[b.param] == 0  # every cut on a multiple of the quantum
+        assert b.row_stop % quanta[b.param] == 0 or b.row_stop == rows[b.param]
+    assert sum(plan.rank_bytes) == sum(sizes)
+    splittable = [i for i in range(len(sizes)) if rows[i] > quanta[i] and sizes[i] > 0]
+    widest = max((sizes[i] // rows[i] * quanta[i] for i in splittable), default=0)
+    assert plan.row_slack == widest
+    unsplittable = max((sizes[i] for i in range(len(sizes)) if i not in splittable), default=0)
+    mean = Fraction(sum(sizes), num_ranks)
+    assert max(plan.rank_bytes, default=0) <= mean + max(widest, unsplittable)
+    assert plan_split(sizes, rows, num_ranks, quanta) == plan  # deterministic
+
+
+def test_aligned_cuts_keep_every_block_but_the_last_a_multiple_of_64_elements() -> None:
+    # widths 4096 (quantum 1 row), 50 (quantum 32 rows: 32 * 50 = 1600 = 25 * 64), 7 (64 rows)
+    shapes = [(1000, 4096), (3000, 50), (5000, 7)]
+    sizes = [r * w * 4 for r, w in shapes]
+    for num_ranks in (2, 3, 7):
+        plan = plan_split(sizes, [r for r, _ in shapes], num_ranks, [cut_quantum(w) for _, w in shapes])
+        for b in plan.blocks:
+            if b.row_stop != shapes[b.param][0]:
+                assert (b.num_rows * shapes[b.param][1]) % CUT_ALIGN_ELEMENTS == 0
+    assert [cut_quantum(w) for w in (4096, 50, 7, 0, 64, 96)] == [1, 32, 64, 1, 1, 2]
+
+
+def test_plan_whole_keeps_every_parameter_on_its_lpt_owner() -> None:
+    sizes, rows = [400, 40, 4, 0], [10, 10, 1, 0]
+    plan = plan_whole(sizes, rows, 3)
+    assert plan.split_params == () and plan.row_slack == 0
+    assert [b.owner for b in plan.blocks] == list(partition_by_size(sizes, 3).owners)
+    assert [(b.row_start, b.row_stop) for b in plan.blocks] == [(0, 10), (0, 10), (0, 1), (0, 0)]
+
+
+def test_bad_quanta_name_the_problem() -> None:
+    with pytest.raises(ValueError, match=r"quanta \(1\) and sizes \(2\) differ in length"):
+        plan_split([4, 4], [2, 2], 2, [1])
+    with pytest.raises(ValueError, match="quanta must be >= 1 rows, got 0"):
+        plan_split([4], [2], 2, [0])

@@ -6,7 +6,8 @@ third-party peer such as fairscale) and how to wrap a freshly built model into a
 the builders, never at module import, so ``import shardopt`` never imports fairscale.
 
 Modes: ``ddp`` (torch DDP + Adam: the reference), ``zero1`` (DDP + :class:`~shardopt.optim.
-OSS`), ``zero2`` (OSS + ``shardopt.nn.ShardedDataParallel``), ``zero3``
+OSS`), ``zero2`` (OSS + ``shardopt.nn.ShardedDataParallel``, every parameter whole),
+``zero2-split`` (the same with large parameters split across ranks), ``zero3``
 (``shardopt.nn.FullyShardedDataParallel``); peers ``torch-zero`` (DDP + torch's
 ``ZeroRedundancyOptimizer``), ``fairscale`` (fairscale OSS + ShardedDDP with
 ``zero_grad(set_to_none=False)``), ``fairscale-default`` (the same with the optimizer's
@@ -205,9 +206,10 @@ def _ddp(module: nn.Module, setup: Setup) -> DDP:
     return DDP(module, device_ids=[setup.device] if setup.device.type == "cuda" else None)
 
 
-def _oss(module: nn.Module, setup: Setup) -> OSS:
+def _oss(module: nn.Module, setup: Setup, **kwargs: Any) -> OSS:
     """Adam sharded by OSS; with ``bf16-master`` the owner keeps fp32 masters of its shard."""
-    return OSS(module.parameters(), optim=torch.optim.Adam, master_dtype=setup.precision.master_dtype, lr=setup.lr)
+    return OSS(module.parameters(), optim=torch.optim.Adam, master_dtype=setup.precision.master_dtype, lr=setup.lr,
+               **kwargs)
 
 
 def _build_ddp(module: nn.Module, setup: Setup) -> Wrapped:
@@ -222,13 +224,20 @@ def _build_zero1(module: nn.Module, setup: Setup) -> Wrapped:
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
-def _build_zero2(module: nn.Module, setup: Setup) -> Wrapped:
-    from shardopt.nn import ShardedDataParallel
+def _zero2_builder(split_large_params: bool) -> Builder:
+    """ZeRO-2 with every parameter whole (``zero2``, as before OSS could split) or with large
+    ones split across ranks (``zero2-split``; Note [split parameters in buckets] in
+    shardopt.nn.data_parallel.grad_buckets)."""
 
-    opt = _oss(module, setup)
-    # reduce_dtype None: fp32 gradients travel in fp32, bf16 ones in the masters' dtype (fp32)
-    model = ShardedDataParallel(module, opt, reduce_dtype=setup.precision.wire_dtype)
-    return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
+    def build(module: nn.Module, setup: Setup) -> Wrapped:
+        from shardopt.nn import ShardedDataParallel
+
+        opt = _oss(module, setup, split_large_params=split_large_params)
+        # reduce_dtype None: fp32 gradients travel in fp32, bf16 ones in the masters' dtype (fp32)
+        model = ShardedDataParallel(module, opt, reduce_dtype=setup.precision.wire_dtype)
+        return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
+
+    return build
 
 
 def _build_zero3(module: nn.Module, setup: Setup) -> Wrapped:
@@ -359,8 +368,10 @@ _MASTERS = ("fp32", "bf16", "bf16-master")
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("ddp", "torch DDP + Adam (reference)", None, "", _build_ddp, fp16_scaler="torch", precisions=_BF16),
     Mode("zero1", "DDP + shardopt OSS (ZeRO-1)", None, "", _build_zero1, fp16_scaler="sharded", precisions=_MASTERS),
-    Mode("zero2", "shardopt OSS + ShardedDataParallel (ZeRO-2)", ("shardopt.nn", "ShardedDataParallel"),
-         _OWN_HINT, _build_zero2, fp16_scaler="sharded", precisions=_MASTERS, reduce_dtypes=("fp32", "bf16")),
+    Mode("zero2", "shardopt OSS + ShardedDataParallel (ZeRO-2), whole parameters", ("shardopt.nn", "ShardedDataParallel"),
+         _OWN_HINT, _zero2_builder(False), fp16_scaler="sharded", precisions=_MASTERS, reduce_dtypes=("fp32", "bf16")),
+    Mode("zero2-split", "shardopt ZeRO-2, large parameters split across ranks", ("shardopt.nn", "ShardedDataParallel"),
+         _OWN_HINT, _zero2_builder(True), fp16_scaler="sharded", precisions=_MASTERS, reduce_dtypes=("fp32", "bf16")),
     Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn.fsdp", "FullyShardedDataParallel"),
          _OWN_HINT, _build_zero3, fp16_scaler="sharded"),
     Mode("torch-zero", "DDP + torch ZeroRedundancyOptimizer", ("torch.distributed.optim", "ZeroRedundancyOptimizer"),

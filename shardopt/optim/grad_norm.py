@@ -10,7 +10,12 @@ for ``OSS.clip_grad_norm``, the module's order when a ShardedDataParallel wraps 
 (its param groups may list the parameters in another order: summing in group order was
 2.4e-7 off DDP's norm). Summing in torch's order over the same gradients is what makes the
 sharded total equal torch's bit for bit, mixed dtypes included. Only the gradients a rank
-holds are scaled; the other ranks scale theirs. A passed parameter that no optimizer shards
+holds are scaled; the other ranks scale theirs. A parameter split across ranks (Note [split
+plan] in :mod:`shardopt.partition`) has one extra slot per block, filled by the block's
+owner; after the exchange its norm is the norm of its blocks' norms (the same value up to
+rounding: every element counted once, but not by torch's single kernel, so a clip over split
+parameters is within the summation error of torch's rather than bit for bit; nothing split,
+nothing changes). A passed parameter that no optimizer shards
 (a plain one) counts with this rank's own gradient, as torch counts it, outside the
 exchange.
 
@@ -39,6 +44,7 @@ from shardopt import comm
 from shardopt.agreement import arrive
 from shardopt.clipping import ClipArgs
 from shardopt.optim.masters import is_placeholder, needs_master
+from shardopt.partition import SplitPlan
 
 __all__ = ["ARRIVAL_TIMEOUT_S", "ShardingOptimizer", "clip_for_wrapper", "clip_params", "clip_sharded_grads"]
 
@@ -57,8 +63,13 @@ class ShardingOptimizer(Protocol):
     def master_dtype(self) -> torch.dtype | None: ...
     @property
     def group(self) -> comm.ProcessGroup | None: ...
+    @property
+    def plan(self) -> SplitPlan: ...
+    @property
+    def rank(self) -> int: ...
     def owns(self, index: int) -> bool: ...
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None: ...
+    def grad_holder(self, param: torch.Tensor) -> torch.Tensor | None: ...
     def collect_master_grads(self) -> None: ...
 
 
@@ -103,6 +114,7 @@ def clip_sharded_grads(
     args: ClipArgs,
     group: comm.ProcessGroup | None,
     local: Mapping[int, torch.Tensor] | None = None,
+    blocks: Mapping[int, tuple[int, int, torch.Tensor | None]] | None = None,
 ) -> torch.Tensor:
     """Clip sharded gradients by their global norm (Note [sharded norm in torch's order]).
 
@@ -116,6 +128,10 @@ def clip_sharded_grads(
         args: the clip's max norm, norm type and options.
         group: the ranks that hold the gradients together.
         local: gradients counted and scaled by this rank only (plain parameters), by slot.
+        blocks: the slots of parameters split across ranks, as ``{slot: (number of blocks,
+            position of this rank's block among them, its gradient or None)}``; each such
+            slot's norm is combined from its blocks' norms after the exchange. Split slots have
+            no entry in ``grads``; their blocks' gradients are scaled with the rest.
 
     Returns:
         The total norm, in ``dtype``, on the device of the first slot.
@@ -127,14 +143,27 @@ def clip_sharded_grads(
     device = kinds[0][0] if kinds else torch.device("cpu")
     count = len(kinds)
     norm_type = float(args.norm_type)
-    exchange = torch.zeros(2 * count, dtype=dtype, device=device)
+    split = dict(sorted((blocks or {}).items()))
+    first_block, cursor = {}, 2 * count
+    for slot, (num_blocks, _, _) in split.items():
+        first_block[slot] = cursor
+        cursor += num_blocks
+    exchange = torch.zeros(cursor, dtype=dtype, device=device)
     _norms_into(exchange, grads, count, args)
+    for slot, (_, position, grad) in split.items():
+        if grad is not None:  # this rank's block: its norm in its own slot, and the parameter counted
+            norm = torch.linalg.vector_norm(grad, norm_type)
+            exchange[first_block[slot] + position] = norm.to(exchange.device)
+            exchange[count + slot : count + slot + 1].fill_(1)
     if comm.group_size(group) > 1:
         _check_everyone_clips(group)
         comm.all_reduce(exchange, group, op="sum", label=_LABEL).wait()
     _norms_into(exchange, local or {}, count, args)
+    for slot, (num_blocks, _, _) in split.items():
+        start = first_block[slot]
+        exchange[slot] = torch.linalg.vector_norm(exchange[start : start + num_blocks], norm_type)
     # Which slots any rank counted decides which norms torch would stack, and in what order.
-    counted = (exchange[count:] > 0).nonzero().flatten().tolist()  # host-read: the clip's one
+    counted = (exchange[count : 2 * count] > 0).nonzero().flatten().tolist()  # host-read: the clip's one
     if counted:  # no gradient anywhere: torch's total is 0 too
         # Stacked from integer views: a Python list as an index would be copied to the device.
         ordered = torch.stack([exchange[i] for i in _torch_norm_order(counted, kinds)])
@@ -148,7 +177,8 @@ def clip_sharded_grads(
             "the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
     coef = torch.clamp(args.max_norm / (total + 1e-6), max=1.0)
-    for g in [*grads.values(), *(local or {}).values()]:
+    held_blocks = [g for _, _, g in split.values() if g is not None]
+    for g in [*grads.values(), *(local or {}).values(), *held_blocks]:
         g.mul_(coef.to(g.device))
     return total
 
@@ -195,6 +225,7 @@ def clip_params(
         where.update({p: (opt, i) for i, p in enumerate(opt.params)})
     kinds: list[tuple[torch.device, torch.dtype]] = []
     held: dict[int, torch.Tensor] = {}
+    split: dict[int, tuple[int, int, torch.Tensor | None]] = {}
     local: dict[int, torch.Tensor] = {}
     promoted: list[torch.dtype] = []
     for slot, p in enumerate(params):
@@ -212,17 +243,21 @@ def clip_params(
         kinds.append((p.device, grad_dtype))
         if p.requires_grad:
             promoted.append(grad_dtype)
-        if opt.owns(i):
-            holder = opt.master_of(p)
-            holder = p if holder is None else holder
-            if holder.grad is not None:
-                held[slot] = holder.grad.detach()
+        pieces = opt.plan.blocks_of(i)
+        holder = (opt.grad_holder(p) if p.requires_grad else p) if opt.owns(i) else None
+        grad = None if holder is None or holder.grad is None else holder.grad.detach()
+        if len(pieces) > 1:
+            position = next((k for k, b in enumerate(pieces) if opt.owns(i) and b.owner == opt.rank), -1)
+            split[slot] = (len(pieces), position, grad)
+        elif grad is not None:
+            held[slot] = grad
     if keep is not None:
-        kept = set(keep([params[s] for s in held]))
+        kept = set(keep([params[s] for s in [*held, *(s for s, b in split.items() if b[2] is not None)]]))
         held = {s: g for s, g in held.items() if params[s] in kept}
+        split = {s: (n, k, g if params[s] in kept else None) for s, (n, k, g) in split.items()}
     dtype = functools.reduce(torch.promote_types, promoted or [torch.float32])
     group = optimizers[0].group if optimizers else None
-    return clip_sharded_grads(held, kinds, dtype, args, group, local)
+    return clip_sharded_grads(held, kinds, dtype, args, group, local, split)
 
 
 def clip_for_wrapper(wrapper: Any, params: list[torch.Tensor], args: ClipArgs) -> torch.Tensor:

@@ -145,15 +145,21 @@ class ShardedGradScaler(GradScaler):
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        # torch's per-optimizer hook for what to unscale; with masters, their fp32 gradients
-        # and those of the parameters that have none (a parameter with a master elsewhere is
-        # its owner's business).
-        if not (isinstance(optimizer, OSS) and optimizer.master_dtype is not None):
+        # torch's per-optimizer hook for what to unscale; with masters or split parameters,
+        # the gradients the step reads (masters' fp32 ones, row views') and those of the
+        # parameters that have neither (a parameter with a master or rows elsewhere is its
+        # owners' business).
+        if not (isinstance(optimizer, OSS) and (optimizer.master_dtype is not None or optimizer.plan.split_params)):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         optimizer.collect_master_grads()
-        masters = [(p, optimizer.master_of(p)) for p in optimizer.params]
-        held = [p if m is None else m for p, m in masters
-                if m is not None or not needs_master(p.dtype, optimizer.master_dtype)]
+        split = set(optimizer.plan.split_params)
+        held = []
+        for i, p in enumerate(optimizer.params):
+            holder = optimizer.grad_holder(p)
+            if holder is not None:
+                held.append(holder)
+            elif i not in split and not needs_master(p.dtype, optimizer.master_dtype):
+                held.append(p)
         return super()._unscale_grads_(_Holders(held), inv_scale, found_inf, allow_fp16)  # type: ignore[arg-type]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
@@ -183,9 +189,9 @@ class ShardedGradScaler(GradScaler):
             return optimizer.step(*args, **kwargs)
         if isinstance(optimizer, OSS):
             for p in optimizer.params:
-                master = optimizer.master_of(p)
-                if master is not None:
-                    master.grad = None
+                holder = optimizer.grad_holder(p)
+                if holder is not None and holder is not p:  # a master or a row view
+                    holder.grad = None
         return None
 
 

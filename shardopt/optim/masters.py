@@ -132,6 +132,12 @@ class MasterWeights:
         self.dtype = dtype
         self._masters: dict[int, torch.Tensor] = {}
         self._agreed: dict[int, int | None] = {}  # param._version when it last equalled its master
+        self._rows: dict[int, tuple[int, int]] = {}  # the rows a master copies, for a split parameter only
+
+    def _part(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        """What the master of ``params[index]`` copies: the parameter, or its owned rows (a view)."""
+        rows = self._rows.get(index)
+        return param.detach() if rows is None else param.detach()[rows[0] : rows[1]]
 
     def __len__(self) -> int:
         return len(self._masters)
@@ -149,25 +155,28 @@ class MasterWeights:
         return self._masters.get(index, param)
 
     def rebuild(self, params: Sequence[torch.Tensor], indices: Iterable[int],
-                carried: Mapping[int, torch.Tensor]) -> None:
+                carried: Mapping[int, torch.Tensor], rows: Mapping[int, tuple[int, int]] | None = None) -> None:
         """Keep masters for ``params[i]``, ``i`` in ``indices`` (this rank's trainable ones).
 
         Args:
             params: every parameter, by index.
             indices: the trainable parameters this rank owns now.
             carried: masters that already exist for some of them (moved to the parameter's
-                device and cast to ``dtype`` when they are not there already). The others
-                are created from their parameter.
+                device and cast to ``dtype`` when they are not there already), of the rows
+                they copy. The others are created from their parameter.
+            rows: for a parameter split across ranks, the dim-0 rows this rank owns: its
+                master copies only those.
         """
         masters: dict[int, torch.Tensor] = {}
         agreed: dict[int, int | None] = {}
+        self._rows = {i: r for i, r in (rows or {}).items() if i in set(indices)}
         for i in sorted(indices):
             p = params[i]
             if not needs_master(p.dtype, self.dtype):
                 continue
             source = carried.get(i)
             if source is None:
-                master = p.detach().to(self.dtype, copy=True)
+                master = self._part(i, p).to(self.dtype, copy=True)
             else:
                 master = source.detach().to(device=p.device, dtype=self.dtype)
             masters[i] = master.requires_grad_(True)
@@ -182,9 +191,10 @@ class MasterWeights:
             p = params[i]
             if self._agreed[i] == p._version:
                 continue
-            if not torch.equal(master.to(p.dtype), p.detach()):  # host-read: only after an outside write
+            part = self._part(i, p)
+            if not torch.equal(master.to(p.dtype), part):  # host-read: only after an outside write
                 logger.info("parameter %s was written outside the optimizer; its master follows it", i)
-                master.copy_(p.detach())
+                master.copy_(part)
             self._agreed[i] = p._version
 
     @torch.no_grad()
@@ -198,6 +208,8 @@ class MasterWeights:
             grad = p.grad
             if grad is None:
                 continue
+            rows = self._rows.get(i)
+            grad = grad if rows is None else grad[rows[0] : rows[1]]
             if master.grad is None:
                 master.grad = grad.detach().to(master.dtype)
             else:
@@ -209,9 +221,19 @@ class MasterWeights:
         """Round every master into its parameter and free the masters' gradients."""
         for i, master in self._masters.items():
             p = params[i]
-            p.copy_(master)
+            rows = self._rows.get(i)
+            (p if rows is None else p[rows[0] : rows[1]]).copy_(master)
             self._agreed[i] = p._version
             master.grad = None
+
+    def after_gather(self, params: Sequence[torch.Tensor]) -> None:
+        """The post-step gather wrote the other owners' rows of the split parameters: their
+        masters' rows are untouched, so they still agree (without this the next step would
+        compare each one with its rows, a host read per split master per step; Note [masters
+        follow outside writes])."""
+        for i in self._rows:
+            if i in self._masters:
+                self._agreed[i] = params[i]._version
 
     def free_grads(self) -> None:
         """Drop every master's gradient."""
@@ -220,8 +242,8 @@ class MasterWeights:
 
     @torch.no_grad()
     def load(self, params: Sequence[torch.Tensor], saved: Mapping[int, torch.Tensor]) -> list[int]:
-        """Overwrite the masters from ``saved`` (by index); the ones it lacks restart from
-        their parameter.
+        """Overwrite the masters from ``saved`` (by index, of the rows each master copies); the
+        ones it lacks restart from their parameter.
 
         Returns:
             The indices whose master restarted from the parameter.
@@ -231,7 +253,7 @@ class MasterWeights:
             value = saved.get(i)
             if value is None:
                 missing.append(i)
-                value = params[i].detach()
+                value = self._part(i, params[i])
             master.copy_(value)
             self._agreed[i] = None
         return missing

@@ -28,11 +28,15 @@ from torch.optim import SGD, Optimizer
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement, check_same_parameters
 from shardopt.clipping import ClipArgs
+from shardopt.optim import sharded_entries
+from shardopt.optim.elementwise import resolve_split, warn_if_unbalanced
 from shardopt.optim.grad_norm import clip_for_wrapper, clip_params
 from shardopt.optim.masters import MasterWeights, check_master_dtype, needs_master
+from shardopt.optim.local_shard import LocalShard, hyper
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
-from shardopt.optim.state_transport import Snapshot, StateByIndex, collect, migrate, refuse_stale_masters, state_to_param, to_cpu
-from shardopt.partition import Partition, partition_by_size
+from shardopt.optim.state_transport import (Fragments, Snapshot, StateByIndex, collect, cut_rows, migrate,
+                                            refuse_stale_masters, state_to_param, to_cpu)
+from shardopt.partition import Partition, SplitPlan, cut_quantum, plan_split, plan_whole
 from shardopt.state_checks import MASTER_KEY, check_state_fits
 
 __all__ = ["OSS"]
@@ -56,9 +60,7 @@ def _group_ranges(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], ra
     return ranges
 
 
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's hyperparameters (everything but ``params``)."""
-    return {k: v for k, v in group.items() if k != "params"}
+_hyper = hyper
 
 
 class OSS(Optimizer):
@@ -114,6 +116,7 @@ class OSS(Optimizer):
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
         master_dtype: torch.dtype | None = None,
+        split_large_params: bool | None = None,
         **defaults: Any,
     ) -> None:
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
@@ -124,6 +127,7 @@ class OSS(Optimizer):
             )
         if master_dtype is not None:
             check_master_dtype(master_dtype, [])  # the type and kind now; the parameters below
+        self.split_large_params = resolve_split(split_large_params, optim)
         comm.require_initialized("OSS")
         if broadcast_buffer_size != -1:
             _warn_once("bbs", f"OSS(broadcast_buffer_size={broadcast_buffer_size}) is deprecated and ignored: "
@@ -141,13 +145,15 @@ class OSS(Optimizer):
         self.rank = comm.group_rank(group)
         self.broadcast_fp16 = broadcast_fp16
         self._consolidated: Snapshot | None = None
-        self._parked: StateByIndex = {}
         self._masters = MasterWeights(master_dtype)
+        self._plan: SplitPlan  # set by _repartition, with the rest of the plan's state
+        self._shard: LocalShard
         if any(p.is_meta for p in self.params):
             raise ValueError("OSS got meta-device parameters: call module.to_empty(device=...) and re-initialise first")
         self._check_same_params_on_all_ranks()
         check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__),
-                                ("master_dtype", str(master_dtype))], group,
+                                ("master_dtype", str(master_dtype)), ("split_large_params", str(self.split_large_params))],
+                        group,
                         "pass the same OSS arguments on every rank")  # Note [agree before the first collective] in agreement
         if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper] in clipping
             clipping.register_sharded(self, self.params, "OSS.clip_grad_norm", clip_for_wrapper)  # grads go to masters
@@ -157,6 +163,7 @@ class OSS(Optimizer):
                        "to torch.bfloat16 to train with fp32 masters")
         self._repartition(migrate=False)
         self.defaults = dict(self.optim.defaults)
+        warn_if_unbalanced(self._plan, self.params, self.split_large_params, optim)
 
     # ------------------------------------------------------------------ partition
 
@@ -167,12 +174,36 @@ class OSS(Optimizer):
 
     @property
     def partition(self) -> Partition:
-        """The read-only ownership plan over :attr:`params` (frozen params have size 0)."""
+        """The read-only ownership plan over :attr:`params` (frozen params have size 0); a
+        parameter split across ranks is listed with the owner of its first rows (:attr:`plan`
+        has every block)."""
         return self._partition
 
+    @property
+    def plan(self) -> SplitPlan:
+        """Who owns which rows of which parameter of :attr:`params` (one block per parameter
+        unless :attr:`split_large_params`; Note [split plan] in :mod:`shardopt.partition`)."""
+        return self._plan
+
     def owns(self, index: int) -> bool:
-        """Whether this rank owns ``params[index]`` (frozen parameters have an owner too)."""
-        return self._partition.owners[index] == self.rank
+        """Whether this rank owns rows of ``params[index]`` (frozen parameters have an owner too)."""
+        return self._shard.owned.owns(index)
+
+    def owned_rows(self, param: torch.Tensor) -> tuple[int, int] | None:
+        """The dim-0 rows ``[start, stop)`` of ``param`` this rank owns (all of them for a
+        parameter kept whole), or ``None``."""
+        index = self._index_of.get(param)
+        return None if index is None else self._shard.owned.rows.get(index)
+
+    def grad_holder(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The tensor whose ``.grad`` the step reads for this rank's rows of a trainable
+        ``param``: its master, the row view of a split parameter (Note [row views] in
+        :mod:`shardopt.optim.owned_rows`), or ``param`` itself; ``None`` where this rank owns
+        none of it or it is frozen."""
+        index = self._index_of.get(param)
+        if index is None or not self._shard.owned.owns(index) or not param.requires_grad:
+            return None
+        return self._shard.stepped(index, param)
 
     @property
     def master_dtype(self) -> torch.dtype | None:
@@ -196,20 +227,22 @@ class OSS(Optimizer):
         call it first to work on fp32 gradients (Note [master gradients] in shardopt.optim.masters). Local: no
         collective. Without masters it does nothing.
         """
-        self._masters.fold_grads(self.params)
+        self._shard.collect_grads(self.params)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """fairscale's view: for each rank, its param groups restricted to its trainable params.
 
         Returns:
             ``result[rank][group]`` is a param-group dict whose ``params`` are the trainable
-            parameters of that group owned by ``rank``.
+            parameters of that group ``rank`` owns rows of (a split parameter is listed for
+            each of its owners).
         """
-        sizes, owners = self._partition.sizes, self._partition.owners
+        sizes = self._plan.sizes
+        owned = [{b.param for b in self._plan.blocks_of_rank(r)} for r in range(self.world_size)]
         result: list[list[dict[str, Any]]] = [[] for _ in range(self.world_size)]
         for g, indices in _group_ranges(self.param_groups):
             for r in range(self.world_size):
-                mine = [p for i, p in zip(indices, g["params"], strict=True) if owners[i] == r and sizes[i] > 0]
+                mine = [p for i, p in zip(indices, g["params"], strict=True) if i in owned[r] and sizes[i] > 0]
                 result[r].append({**_hyper(g), "params": mine})
         return result
 
@@ -258,48 +291,32 @@ class OSS(Optimizer):
                     "param.data = param.data.contiguous() or module.to(memory_format=torch.contiguous_format)"
                 )
         sizes = [p.numel() * p.element_size() if p.requires_grad else 0 for p in params]
-        old_state = self._local_state_by_index() if migrate else {}  # masters travel in it
-        self._partition = partition_by_size(sizes, self.world_size)
+        fragments = self._shard.fragments(self.params) if migrate else {}  # masters travel in them
+        rows = [p.shape[0] if p.dim() else 1 for p in params]
+        if self.split_large_params:
+            quanta = [cut_quantum(p.numel() // r if r else 0) for p, r in zip(params, rows, strict=True)]
+            self._plan = plan_split(sizes, rows, self.world_size, quanta)
+        else:
+            self._plan = plan_whole(sizes, rows, self.world_size)
+        first = {b.param: b.owner for b in reversed(self._plan.blocks)}
+        self._partition = Partition(self.world_size, tuple(sizes), tuple(first[i] for i in range(len(params))))
+        self._shard = LocalShard(self._plan, self.rank, self._masters)
         self._trainable_sig = tuple(p.requires_grad for p in params)
-        if migrate:
-            old_state = self._migrate_state(old_state)
-        trainable = {i for i in self._partition.indices_of(self.rank) if sizes[i] > 0}
-        self._masters.rebuild(params, trainable, {i: old_state[i].pop(MASTER_KEY) for i in trainable
-                                                  if MASTER_KEY in old_state.get(i, {})})
+        old_state = self._migrate_state(fragments) if migrate else {}
         self._index_of = {p: i for i, p in enumerate(params)}
-        shard_groups = [{**_hyper(g), "params": [self._masters.stepped(i, p) for i, p in zip(indices, g["params"], strict=True)
-                                                 if i in trainable]}
-                        for g, indices in _group_ranges(self.param_groups)]
         # See Note [shard optimizer rebuild].
-        self.optim: Optimizer = self._optim_cls(shard_groups, **self._optim_defaults)
-        self._parked = {}
-        for i, state in old_state.items():
-            if i not in trainable:
-                self._parked[i] = state
-            elif state:
-                self.optim.state[self._masters.stepped(i, params[i])] = state
+        self.optim: Optimizer = self._shard.build(params, _group_ranges(self.param_groups), self._optim_cls,
+                                                  self._optim_defaults, old_state, self.group)
         self.state = self.optim.state  # type: ignore[assignment]
         self._pull_hyperparams()
         self._gather = ParamGather(
-            list(params), self._partition, self.rank, self.group, DEFAULT_GATHER_BUCKET_BYTES, self.broadcast_fp16
+            list(params), self._plan, self.rank, self.group, DEFAULT_GATHER_BUCKET_BYTES, self.broadcast_fp16
         )
         self._consolidated = None
 
-    def _local_state_by_index(self) -> StateByIndex:
-        """This rank's optimizer state (live and parked, masters under ``MASTER_KEY``), keyed
-        by index in :attr:`params`."""
-        params = self.params
-        self._masters.follow_outside_writes(params)
-        index = {self._masters.stepped(i, p): i for i, p in enumerate(params)}
-        state = {index[p]: s for p, s in self.optim.state.items() if p in index and s}
-        for i, master in self._masters.items():
-            state[i] = {**state.get(i, {}), MASTER_KEY: master}
-        state.update(self._parked)
-        return state
-
-    def _migrate_state(self, state: StateByIndex) -> StateByIndex:
-        """Send each state entry whose owner changed to its new owner, one rank at a time."""
-        kept = migrate(state, self._partition.owners, self.rank, self.world_size, self.group)
+    def _migrate_state(self, fragments: Fragments) -> StateByIndex:
+        """Send each state fragment whose rows changed owner to the new owners, one rank at a time."""
+        kept = migrate(fragments, self._plan, self.rank, self.world_size, self.group)
         params, groups = self.params, self._group_of_global()
         return {i: state_to_param(s, params[i], groups[i]) for i, s in kept.items()}
 
@@ -352,16 +369,17 @@ class OSS(Optimizer):
                 # Folded after the closure's backward only: folding first moved no_sync sums into
                 # the masters before DDP's reduction in that backward (other ranks' were lost).
                 loss = user_closure()
-                self._masters.fold_grads(params)
+                self._shard.collect_grads(params)
                 return loss
 
             loss = self.optim.step(closure=folding_closure, **kwargs)
         else:
-            self._masters.fold_grads(params)
+            self._shard.collect_grads(params)
             loss = self.optim.step(**kwargs)
-        self._masters.write_back(params)
+        self._shard.after_step(params)
         self._pull_hyperparams()
         self._gather.gather()
+        self._masters.after_gather(params)
         return loss
 
     @property
@@ -377,7 +395,7 @@ class OSS(Optimizer):
             set_to_none: drop the parameters' gradients instead of zeroing them.
         """
         super().zero_grad(set_to_none=set_to_none)
-        self._masters.free_grads()
+        self._shard.free_grads()
 
     def clip_grad_norm(
         self,
@@ -435,7 +453,7 @@ class OSS(Optimizer):
         if not isinstance(recipient_rank, int) or not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
                              f"got {recipient_rank!r}; pass the rank that will save the checkpoint")
-        local = {i: to_cpu(s) for i, s in self._local_state_by_index().items()}
+        local = {key: to_cpu(s) for key, s in self._shard.fragments(self.params).items()}
         merged = collect(local, recipient_rank, self.rank, self.world_size, self.group)
         self._consolidated = None if merged is None else Snapshot(merged, tuple(p._version for p in self.params))
 
@@ -507,39 +525,35 @@ class OSS(Optimizer):
         if unknown:
             raise ValueError(f"state_dict['state'] has entries {unknown[:5]} that no param group lists; "
                              "load a state dict saved from the same model and param groups")
-        params, owners = self.params, self._partition.owners
+        params = self.params
         check_state_fits(state_dict["state"], to_index, params)  # before anything changes
-        for g, saved in zip(self.param_groups, groups, strict=False):
-            g.update(_hyper(saved))
         state = {to_index[k]: dict(s) for k, s in state_dict["state"].items()}
-        saved_masters = {i: s.pop(MASTER_KEY) for i, s in state.items() if MASTER_KEY in s}
-        ignored = [i for i in saved_masters if not needs_master(params[i].dtype, self.master_dtype)]
+        self._warn_ignored_masters([i for i, s in state.items() if MASTER_KEY in s])
+        mine, rows = self._shard.owned.rows, self._plan.rows
+        self._install({i: cut_rows(s, (0, rows[i]), mine[i]) for i, s in state.items() if i in mine}, groups)
+
+    def _warn_ignored_masters(self, indices: list[int]) -> None:
+        """Warn once when saved masters of ``params[indices]`` have no master here to go to."""
+        params = self.params
+        ignored = [i for i in indices if not needs_master(params[i].dtype, self.master_dtype)]
         if ignored:
             _warn_once("masters-ignored", f"state_dict holds master weights for {len(ignored)} parameter(s) (first: "
                        f"{ignored[0]}) that this OSS (master_dtype={self.master_dtype}) keeps none for: they are "
                        "ignored and the parameters keep their values; pass master_dtype=torch.float32 to resume "
                        "from them")
-        position = {self._masters.stepped(i, p): i for i, p in enumerate(params)}
-        local_groups = [
-            {**_hyper(g), "params": [position[p] for p in sg["params"]]}
-            for g, sg in zip(self.param_groups, self.optim.param_groups, strict=True)
-        ]
-        trainable = {i for sg in local_groups for i in sg["params"]}
-        self.optim.load_state_dict(
-            {"state": {i: s for i, s in state.items() if i in trainable}, "param_groups": local_groups}
-        )
-        missing = self._masters.load(params, saved_masters)
+
+    def _install(self, state: StateByIndex, groups: list[dict[str, Any]]) -> None:
+        """Take the saved hyperparameters of every group and the state of this rank's rows
+        (``state``: by index, already cut to the rows this rank owns, masters included)."""
+        for g, saved in zip(self.param_groups, groups, strict=False):
+            g.update(_hyper(saved))
+        self._warn_ignored_masters([i for i, s in state.items() if MASTER_KEY in s])
+        missing = self._shard.install(self.params, state, _group_ranges(self.param_groups))
         if missing:
             _warn_once("masters-missing", f"state_dict has no master weights for {len(missing)} parameter(s) this "
                        f"rank steps in {self.master_dtype} (first: {missing[0]}), as when it was saved without "
                        "master_dtype: their masters restart from the parameters' values; load the model's weights "
                        "as well")
-        global_groups = self._group_of_global()
-        self._parked = {}
-        for i in range(len(params)):
-            if owners[i] == self.rank and i not in trainable and (i in state or i in saved_masters):
-                kept = {MASTER_KEY: saved_masters[i]} if i in saved_masters and i not in ignored else {}
-                self._parked[i] = state_to_param({**state.get(i, {}), **kept}, params[i], global_groups[i])
         self.state = self.optim.state  # type: ignore[assignment]
         self._consolidated = None
 
@@ -550,27 +564,20 @@ class OSS(Optimizer):
         in :mod:`shardopt.checkpoint`): live and parked (frozen) entries alike.
 
         Returns:
-            ``(tensors, values)``, both keyed ``"<index in params>.<state name>"``: the tensors
-            for ``torch.distributed.checkpoint`` (each written by its owner only), the other
-            values for a small metadata file.
+            ``(tensors, values)``, both keyed ``"<index in params>.<state name>"`` (a block of a
+            split parameter: ``"<index>@<start>-<stop>.<name>"``, Note [fragment keys] in
+            :mod:`shardopt.optim.sharded_entries`): the tensors for
+            ``torch.distributed.checkpoint`` (each written by its owner only), the other values
+            for a small metadata file.
         """
-        tensors: dict[str, torch.Tensor] = {}
-        values: dict[str, Any] = {}
-        for index, entry in self._local_state_by_index().items():
-            for name, value in entry.items():
-                (tensors if isinstance(value, torch.Tensor) else values)[f"{index}.{name}"] = value
-        return tensors, values
+        return sharded_entries.encode(self._shard.fragments(self.params), self._plan.rows)
 
     def sharded_state_template(self, saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
         """Empty tensors, for ``dcp.load`` to fill, for the ``saved`` entries (shape and dtype by
-        key, as in :meth:`sharded_state_entries`) this rank owns now, frozen parameters included."""
-        params = self.params
-        template: dict[str, torch.Tensor] = {}
-        for key, (shape, dtype) in saved.items():
-            index = int(key.split(".", 1)[0])
-            if index < len(params) and self.owns(index):
-                template[key] = torch.empty(shape, dtype=dtype, device=params[index].device)
-        return template
+        key, as in :meth:`sharded_state_entries`) whose rows this rank owns now, frozen
+        parameters included."""
+        devices = {i: p.device for i, p in enumerate(self.params)}
+        return sharded_entries.template(saved, self._shard.owned.rows, self._plan.rows, devices)
 
     def load_sharded_state_entries(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any],
                                    param_groups: list[dict[str, Any]]) -> None:
@@ -582,15 +589,10 @@ class OSS(Optimizer):
             param_groups: the saved hyperparameters of every group (without ``params``).
 
         Raises:
-            ValueError: as :meth:`load_state_dict`.
+            ValueError: as :meth:`load_state_dict`, or the saved fragments cover only part of
+                the rows this rank owns.
         """
-        state: dict[int, dict[str, Any]] = {}
-        for key, value in {**values, **tensors}.items():
-            index_text, name = key.split(".", 1)
-            index = int(index_text)
-            if index < len(self.params) and self.owns(index):
-                state.setdefault(index, {})[name] = value
-        groups = [{**saved, "params": list(indices)}
-                  for (_, indices), saved in zip(_group_ranges(self.param_groups), param_groups, strict=False)]
-        self.load_state_dict({"state": state, "param_groups": groups})
-
+        state = sharded_entries.decode(tensors, values, self._shard.owned.rows, self._plan.rows)
+        whole = {i: s for i, s in state.items() if i not in self._shard.owned.split}
+        check_state_fits(whole, {i: i for i in whole}, self.params)
+        self._install(state, param_groups)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from shardopt import comm
-from shardopt.partition import Partition
+from shardopt.partition import Partition, SplitPlan
 
 __all__ = ["DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_GATHER_BUCKET_BYTES", "ParamGather"]
 
@@ -49,13 +49,42 @@ _MAX_CHUNKS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
+class _Piece:
+    """What one owner sends of one parameter: elements ``[start, stop)`` of its flat view (all
+    of them for a whole parameter, a block's rows for a split one)."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+
+    def flat(self) -> torch.Tensor:
+        """The piece's elements, a view of the parameter's memory (read now, so a parameter
+        whose ``.data`` was replaced is followed)."""
+        return self.param.detach().view(-1)[self.start : self.stop]
+
+
+def _pieces(params: list[torch.Tensor], plan: Partition | SplitPlan) -> list[tuple[_Piece, int, int]]:
+    """(piece, owner, bytes) of every owned block of ``plan`` (a whole-parameter Partition is
+    one block per parameter)."""
+    if isinstance(plan, Partition):
+        return [(_Piece(p, 0, p.numel()), owner, size)
+                for p, owner, size in zip(params, plan.owners, plan.sizes, strict=True)]
+    out = []
+    for block in plan.blocks:
+        p, rows = params[block.param], plan.rows[block.param]
+        width = p.numel() // rows if rows else 0
+        out.append((_Piece(p, block.row_start * width, block.row_stop * width), block.owner, plan.block_bytes(block)))
+    return out
+
+
+@dataclass(frozen=True)
 class _Stream:
     """One (device, dtype) class of parameters, split into per-rank streams."""
 
     device: torch.device
     dtype: torch.dtype
-    params_by_rank: tuple[tuple[torch.Tensor, ...], ...]
-    starts_by_rank: tuple[tuple[int, ...], ...]  # stream offset of each param
+    params_by_rank: tuple[tuple[_Piece, ...], ...]
+    starts_by_rank: tuple[tuple[int, ...], ...]  # stream offset of each piece
     longest: int
     point_to_point: bool  # chunks go point to point, unpadded (else one all-gather each)
 
@@ -83,7 +112,8 @@ class ParamGather:
 
     Args:
         params: the parameters the partition covers, in its order.
-        partition: who owns what.
+        partition: who owns what: whole parameters (a :class:`~shardopt.partition.Partition`)
+            or row blocks (a :class:`~shardopt.partition.SplitPlan`; each owner sends its rows).
         rank: this process's rank in ``group``.
         group: the process group.
         bucket_bytes: bytes of one gathered chunk (all ranks' contributions together); the
@@ -97,7 +127,7 @@ class ParamGather:
     def __init__(
         self,
         params: list[torch.Tensor],
-        partition: Partition,
+        partition: Partition | SplitPlan,
         rank: int,
         group: comm.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_GATHER_BUCKET_BYTES,
@@ -109,25 +139,26 @@ class ParamGather:
         self._num_ranks = partition.num_ranks
         self._bucket_bytes = bucket_bytes
         self._fp16 = fp16
-        classes: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-        self._direct: list[list[torch.Tensor]] = [[] for _ in range(self._num_ranks)]
-        for param, owner, size in zip(params, partition.owners, partition.sizes, strict=True):
-            if size == 0:
+        classes: dict[tuple[torch.device, torch.dtype], list[list[_Piece]]] = {}
+        self._direct: list[list[_Piece]] = [[] for _ in range(self._num_ranks)]
+        for piece, owner, size in _pieces(params, partition):
+            param = piece.param
+            if size == 0 or piece.stop == piece.start:
                 continue  # frozen: nothing changes, nothing to send
             if (size >= direct_min_bytes and self._wire_dtype(param.dtype) == param.dtype
                     and comm.prefers_point_to_point(group, param.device)):
-                self._direct[owner].append(param)
+                self._direct[owner].append(piece)
                 continue
             key = (param.device, param.dtype)
-            classes.setdefault(key, [[] for _ in range(self._num_ranks)])[owner].append(param)
+            classes.setdefault(key, [[] for _ in range(self._num_ranks)])[owner].append(piece)
         self._streams: list[_Stream] = []
         for (device, dtype), by_rank in sorted(classes.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
             starts = []
             for ps in by_rank:
                 offsets, total = [], 0
-                for p in ps:
+                for piece in ps:
                     offsets.append(total)
-                    total += p.numel()
+                    total += piece.stop - piece.start
                 starts.append(tuple([*offsets, total]))
             self._streams.append(
                 _Stream(device, dtype, tuple(tuple(ps) for ps in by_rank), tuple(starts), max(s[-1] for s in starts),
@@ -161,18 +192,18 @@ class ParamGather:
             self._finish(in_flight.popleft())
         if direct is not None:
             direct.wait()
-            for owner, params in enumerate(self._direct):
+            for owner, pieces in enumerate(self._direct):
                 if owner != self._rank:
-                    for param in params:
-                        torch.autograd.graph.increment_version(param)
+                    for piece in pieces:
+                        torch.autograd.graph.increment_version(piece.param)
 
     def _post_direct(self) -> comm.PendingWork | None:
         """Start the direct transfers (Note [direct parameter transfers]); ``None`` if none."""
         if not any(self._direct):
             return None
         others = comm.peers(self._rank, self._num_ranks)
-        sends = [(p.detach().view(-1), peer) for peer in others for p in self._direct[self._rank]]
-        recvs = [(p.detach().view(-1), owner) for owner in others for p in self._direct[owner]]
+        sends = [(p.flat(), peer) for peer in others for p in self._direct[self._rank]]
+        recvs = [(p.flat(), owner) for owner in others for p in self._direct[owner]]
         return comm.exchange(sends, recvs, self._group, label="shardopt::oss::param_gather")
 
     def _issue(self, stream: _Stream, wire: torch.dtype, begin: int, length: int) -> _InFlightChunk:
@@ -207,8 +238,8 @@ class ParamGather:
             comm.release_storage(piece)  # see Note [release scratch buffers] in comm
 
     @staticmethod
-    def _overlaps(stream: _Stream, rank: int, begin: int, length: int) -> list[tuple[torch.Tensor, int, int, int]]:
-        """(param, offset in param, offset in chunk, count) for each param piece in the window."""
+    def _overlaps(stream: _Stream, rank: int, begin: int, length: int) -> list[tuple[_Piece, int, int, int]]:
+        """(piece, offset in piece, offset in chunk, count) for each piece in the window."""
         starts = stream.starts_by_rank[rank]
         params = stream.params_by_rank[rank]
         end = min(begin + length, starts[-1])
@@ -223,12 +254,12 @@ class ParamGather:
 
     def _pack(self, stream: _Stream, rank: int, begin: int, out: torch.Tensor) -> None:
         filled = 0
-        for param, p_off, c_off, count in self._overlaps(stream, rank, begin, out.numel()):
-            out[c_off : c_off + count].copy_(param.detach().reshape(-1)[p_off : p_off + count])
+        for piece, p_off, c_off, count in self._overlaps(stream, rank, begin, out.numel()):
+            out[c_off : c_off + count].copy_(piece.flat()[p_off : p_off + count])
             filled = c_off + count
         out[filled:].zero_()
 
     def _unpack(self, stream: _Stream, rank: int, begin: int, chunk: torch.Tensor) -> None:
         with torch.no_grad():
-            for param, p_off, c_off, count in self._overlaps(stream, rank, begin, chunk.numel()):
-                param.view(-1)[p_off : p_off + count].copy_(chunk[c_off : c_off + count])
+            for piece, p_off, c_off, count in self._overlaps(stream, rank, begin, chunk.numel()):
+                piece.param.view(-1)[piece.start + p_off : piece.start + p_off + count].copy_(chunk[c_off : c_off + count])

@@ -1,26 +1,119 @@
-"""Moving OSS's optimizer state between ranks: entries keyed by parameter index.
+"""Moving OSS's optimizer state between ranks: entries keyed by parameter index and rows.
 
-OSS keeps the state of the parameters a rank owns as ``{index in OSS.params: {name: value}}``
-(masters included, under ``MASTER_KEY``). These functions move such entries to their new
-owners after a re-partition and collect every rank's entries onto one rank (or all) for a
+OSS keeps the state of the rows a rank owns as ``{index in OSS.params: {name: value}}``
+(masters included, under ``MASTER_KEY``); with the rows each entry covers that is a set of
+:data:`Fragments` (a whole parameter is one fragment of all its rows). These functions move
+fragments to their new owners after a re-partition (cut or joined to the new blocks), and
+collect every rank's onto one rank (or all), joined into whole parameters, for a
 consolidated state dict. Bookkeeping only: every transfer goes through :mod:`shardopt.comm`,
 one rank's entries at a time, so no rank holds more than its own and one other rank's.
+
+Note [state rows]
+An elementwise optimizer's state for a block of rows is that block of the state it would
+keep for the whole parameter: every tensor of at least one dimension whose dim 0 is the
+block's row count is per row (``exp_avg``, ``momentum_buffer``, a master), and anything else
+(the 0-dim ``step``, ASGD's ``eta`` and ``mu``, plain numbers) is the same for every block of
+the parameter, as every block takes the same steps. So a fragment is cut by slicing its
+per-row tensors, and fragments are joined by concatenating them in row order and taking the
+rest from the first. A whole parameter's single fragment passes unchanged (no copy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shardopt import comm
+from shardopt.partition import SplitPlan
 from shardopt.state_checks import MASTER_KEY
 
-__all__ = ["Snapshot", "StateByIndex", "collect", "migrate", "refuse_stale_masters", "state_to_param", "to_cpu"]
+__all__ = ["Fragments", "Rows", "Snapshot", "StateByIndex", "assemble", "collect", "cut_rows", "join_rows", "migrate",
+           "refuse_stale_masters", "state_to_param", "to_cpu"]
 
 StateByIndex = dict[int, dict[str, Any]]
+Rows = tuple[int, int]
+"""Rows ``[start, stop)`` of dim 0 of a parameter."""
+Fragments = dict[tuple[int, int, int], dict[str, Any]]
+"""State entries keyed ``(index in OSS.params, row start, row stop)`` (Note [state rows])."""
+
+
+def _per_row(value: Any, num_rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == num_rows
+
+
+def cut_rows(state: Mapping[str, Any], rows: Rows, wanted: Rows) -> dict[str, Any]:
+    """The part of ``state`` (covering ``rows``) for the rows ``wanted`` inside them (Note [state rows]).
+
+    Per-row tensors are sliced (views, no copy); the rest is shared. ``wanted == rows``
+    returns the entries as they are.
+    """
+    if wanted == rows:
+        return dict(state)
+    if not rows[0] <= wanted[0] <= wanted[1] <= rows[1]:
+        raise ValueError(f"rows {wanted} are not inside the fragment's rows {rows}")
+    lo, hi = wanted[0] - rows[0], wanted[1] - rows[0]
+    return {k: v[lo:hi] if _per_row(v, rows[1] - rows[0]) else v for k, v in state.items()}
+
+
+def join_rows(parts: Iterable[tuple[Rows, Mapping[str, Any]]], index: int) -> tuple[Rows, dict[str, Any]]:
+    """Join contiguous fragments of parameter ``index`` into one (Note [state rows]).
+
+    Raises:
+        ValueError: the fragments leave a gap, overlap, or hold different state names.
+    """
+    ordered = sorted(parts, key=lambda part: part[0])
+    if not ordered:
+        raise ValueError(f"no state fragments to join for parameter {index}")
+    (start, stop), first = ordered[0]
+    if len(ordered) == 1:
+        return (start, stop), dict(first)
+    for (rows, entry), (next_rows, next_entry) in itertools.pairwise(ordered):
+        if rows[1] != next_rows[0] or set(entry) != set(next_entry):
+            raise ValueError(f"state fragments of parameter {index} do not join: rows {rows} then {next_rows}, names "
+                             f"{sorted(entry)} then {sorted(next_entry)}; the state was saved from another plan and is "
+                             "incomplete")
+    joined = {}
+    for name, value in first.items():
+        if all(_per_row(entry[name], r1 - r0) for (r0, r1), entry in ordered):
+            joined[name] = torch.cat([entry[name].to(value.device) for _, entry in ordered])
+        else:
+            joined[name] = value
+    return (start, ordered[-1][0][1]), joined
+
+
+def _overlap(rows: Rows, other: Rows) -> Rows | None:
+    """The rows both cover (an empty parameter's ``(0, 0)`` overlaps itself), or None."""
+    if rows == other == (rows[0], rows[0]):
+        return rows
+    lo, hi = max(rows[0], other[0]), min(rows[1], other[1])
+    return (lo, hi) if lo < hi else None
+
+
+def assemble(parts: Iterable[tuple[int, Rows, Mapping[str, Any]]], wanted: Mapping[int, Rows]) -> StateByIndex:
+    """For each index in ``wanted``, the state of exactly those rows from the fragments that
+    overlap them (cut and joined); indices no fragment covers are left out.
+
+    Raises:
+        ValueError: fragments cover only part of a wanted block.
+    """
+    pieces: dict[int, list[tuple[Rows, dict[str, Any]]]] = {}
+    for index, rows, entry in parts:
+        target = wanted.get(index)
+        common = None if target is None else _overlap(rows, target)
+        if common is not None:
+            pieces.setdefault(index, []).append((common, cut_rows(entry, rows, common)))
+    out: StateByIndex = {}
+    for index, found in pieces.items():
+        rows, joined = join_rows(found, index)
+        if rows != wanted[index]:
+            raise ValueError(f"the state of parameter {index} covers rows {rows}, not the rows {wanted[index]} this "
+                             "rank owns; the fragments are incomplete (saved from another plan?)")
+        out[index] = joined
+    return out
 
 
 def to_cpu(obj: Any) -> Any:
@@ -48,29 +141,32 @@ def state_to_param(state: dict[str, Any], param: torch.Tensor, group: dict[str, 
     }
 
 
-def migrate(state: StateByIndex, owners: Sequence[int], rank: int, world_size: int,
+def migrate(local: Fragments, plan: SplitPlan, rank: int, world_size: int,
             group: comm.ProcessGroup | None) -> StateByIndex:
-    """Send each entry whose owner (``owners[index]``) is another rank to it; return the
-    entries this rank owns now (its own kept, others' received). A collective."""
-    kept = {i: s for i, s in state.items() if owners[i] == rank}
+    """Send each fragment, or the part of it, that another rank owns under ``plan`` there;
+    return the state of this rank's blocks of ``plan`` (its own kept, others' received, cut
+    and joined to the blocks: Note [state rows]). A collective: one broadcast per rank."""
+    mine = {b.param: (b.row_start, b.row_stop) for b in plan.blocks_of_rank(rank)}
+    parts: list[tuple[int, Rows, Mapping[str, Any]]] = [(i, (a, b), s) for (i, a, b), s in local.items()]
     for src in range(world_size):
         outgoing = None
         if src == rank:
-            outgoing = {i: to_cpu(s) for i, s in state.items() if owners[i] != rank}
+            outgoing = {key: to_cpu(s) for key, s in local.items()
+                        if not (key[0] in mine and mine[key[0]][0] <= key[1] and key[2] <= mine[key[0]][1])}
         incoming = comm.broadcast_object(outgoing, src, group)
         if src != rank:
-            kept.update({i: s for i, s in incoming.items() if owners[i] == rank})
-    return kept
+            parts.extend((i, (a, b), s) for (i, a, b), s in incoming.items())
+    return assemble(parts, mine)
 
 
-def collect(local: StateByIndex, recipient_rank: int, rank: int, world_size: int,
+def collect(local: Fragments, recipient_rank: int, rank: int, world_size: int,
             group: comm.ProcessGroup | None) -> StateByIndex | None:
-    """Every rank's entries merged on ``recipient_rank`` (``-1``: on every rank), sorted by
-    index; ``None`` on the other ranks. A collective: point to point to one recipient, or
-    one broadcast per source rank for ``-1``."""
-    merged: StateByIndex = {}
+    """Every rank's fragments joined into whole parameters on ``recipient_rank`` (``-1``: on
+    every rank), sorted by index; ``None`` on the other ranks. A collective: point to point
+    to one recipient, or one broadcast per source rank for ``-1``."""
+    merged: dict[int, list[tuple[Rows, dict[str, Any]]]] = {}
     for src in range(world_size):
-        shard: StateByIndex | None = None
+        shard: Fragments | None = None
         if recipient_rank == -1:
             shard = comm.broadcast_object(local if src == rank else None, src, group)
         elif src == recipient_rank == rank:
@@ -82,8 +178,11 @@ def collect(local: StateByIndex, recipient_rank: int, rank: int, world_size: int
         elif rank == recipient_rank:
             shard = comm.recv_object(src, group)
         if shard is not None:
-            merged.update(shard)
-    return dict(sorted(merged.items())) if recipient_rank in (-1, rank) else None
+            for (i, a, b), entry in shard.items():
+                merged.setdefault(i, []).append(((a, b), entry))
+    if recipient_rank not in (-1, rank):
+        return None
+    return {i: join_rows(parts, i)[1] for i, parts in sorted(merged.items())}
 
 
 @dataclass(frozen=True)

@@ -61,18 +61,36 @@ half the bytes): each gradient is widened exactly and scaled by ``1/N`` in the w
 it is copied in, and the owner widens each received row to the master's dtype and sums the
 rows in rank order there. The sum is the owner's fp32 master gradient, never a bf16 one, so
 bf16 on the wire rounds each rank's contribution once and nothing else.
+
+Note [split parameters in buckets]
+With ``OSS(split_large_params=...)`` a parameter may be owned by several ranks, each owning a
+contiguous block of its dim-0 rows (Note [split plan] in :mod:`shardopt.partition`). The
+bucket plan then works per block instead of per parameter: a bucket still holds whole
+parameters (one gradient arrives per parameter, and a bucket is complete when every
+parameter of it has arrived), but each block is an entry of its own, in its owner's part of
+the send buffer with a "used" flag of its own. Copying a split parameter's gradient in writes
+each block's rows (a contiguous range of the flattened gradient, as the rows are dim-0) into
+its owner's part, scaled as a whole parameter's would be; the owner sums its rows in rank
+order as it sums a whole gradient, and hands them over shaped ``(rows, *shape[1:])``. A rank
+owns at most one block of a parameter, so the parameter still names what an owner receives.
+The bytes sent are those of the unsplit plan: the all-to-all sends every rank its own part
+from every rank, and a split only moves a parameter's elements between parts (plus one flag
+per extra block). A parameter kept whole is one entry covering all its rows, so a plan
+without split parameters is exactly the plan of whole parameters.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from shardopt import comm
+from shardopt.partition import Block
 
 __all__ = ["BucketSpec", "BucketState", "GradBucket", "Reduced", "plan_buckets"]
 
@@ -96,18 +114,24 @@ _TRANSITIONS = {
 class BucketSpec:
     """The static layout of one bucket (identical on every rank).
 
+    Each entry is one owned block of a parameter's rows: the whole parameter, or for a
+    parameter split across ranks one block per owner (Note [split parameters in buckets]).
+
     Attributes:
         index: launch order.
-        params: the bucket's parameters, grouped by owner (owner 0's first), each group in
-            model order.
-        owners: owner rank of each entry of ``params``.
-        offsets: where each parameter's gradient starts in the send buffer.
-        flag_offsets: where each parameter's "used" flag sits in the send buffer.
+        params: the parameter of each entry, grouped by owner (owner 0's first), each group
+            in model order (a split parameter appears once per block).
+        owners: owner rank of each entry.
+        offsets: where each entry's gradient rows start in the send buffer.
+        flag_offsets: where each entry's "used" flag sits in the send buffer.
         splits: elements sent to each rank (its gradients plus its flags).
         wire_dtype: dtype on the wire.
         device: where the buffers live.
         grad_dtype: dtype of the owner's reduced gradient: the parameters' own, or their
             master's (Note [reduce into master gradients]).
+        rows: the dim-0 rows ``(row_start, row_stop)`` of each entry's parameter it covers
+            (all of them, ``(0, shape[0])`` or ``(0, 1)`` for a 0-dim parameter, unless the
+            parameter is split).
     """
 
     index: int
@@ -119,11 +143,28 @@ class BucketSpec:
     wire_dtype: torch.dtype
     device: torch.device
     grad_dtype: torch.dtype
+    rows: tuple[tuple[int, int], ...]
 
     @property
     def numel(self) -> int:
         """Elements in the send buffer."""
         return sum(self.splits)
+
+    def span(self, k: int) -> tuple[int, int]:
+        """Elements ``[start, stop)`` of entry ``k``'s rows in its parameter's flattened gradient."""
+        param = self.params[k]
+        row_numel = param.numel() // _num_rows(param) if param.numel() else 0
+        start, stop = self.rows[k]
+        return start * row_numel, stop * row_numel
+
+    def is_whole(self, k: int) -> bool:
+        """Whether entry ``k`` covers all rows of its parameter."""
+        return self.rows[k] == (0, _num_rows(self.params[k]))
+
+
+def _num_rows(param: torch.Tensor) -> int:
+    """dim-0 length (1 for a 0-dim tensor), as :mod:`shardopt.partition` counts rows."""
+    return param.shape[0] if param.dim() else 1
 
 
 def plan_buckets(
@@ -133,12 +174,14 @@ def plan_buckets(
     cap_numel: int,
     wire_dtype_of: dict[torch.dtype, torch.dtype],
     grad_dtype_of: dict[torch.dtype, torch.dtype] | None = None,
+    split: Mapping[int, Sequence[Block]] | None = None,
 ) -> list[BucketSpec]:
     """Pack parameters into buckets of at most ``cap_numel`` gradient elements.
 
     Parameters are taken in reverse model order (gradients arrive roughly that way in
     backward) and kept apart by (device, dtype). A parameter larger than the cap gets a
-    bucket of its own; ``cap_numel=0`` gives every parameter its own bucket.
+    bucket of its own; ``cap_numel=0`` gives every parameter its own bucket. A split
+    parameter stays in one bucket, one entry per block (Note [split parameters in buckets]).
 
     Args:
         params: trainable parameters, in model order.
@@ -148,10 +191,18 @@ def plan_buckets(
         wire_dtype_of: maps a parameter dtype to the dtype it is reduced in (absent: itself).
         grad_dtype_of: maps a parameter dtype to the dtype of the owner's reduced gradient
             (absent: itself), e.g. ``{torch.bfloat16: torch.float32}`` with master weights.
+        split: for each parameter owned in row blocks by several ranks, by position in
+            ``params``, its blocks (``Block.param`` is that position; contiguous, in row
+            order, at most one per rank). Absent: each parameter whole to ``owners[i]``.
 
     Returns:
         The bucket specs, in launch order.
+
+    Raises:
+        ValueError: a parameter's blocks do not tile its rows in order, or give one rank
+            two blocks of it.
     """
+    blocks_of = _blocks(params, owners, split or {})
     open_buckets: dict[tuple[str, torch.dtype], list[int]] = {}
     groups: list[list[int]] = []
     for i in reversed(range(len(params))):
@@ -165,34 +216,55 @@ def plan_buckets(
         current.append(i)
     specs = []
     for index, members in enumerate(groups):
-        ordered = sorted(members, key=lambda j: (owners[j], j))
+        ordered = sorted((b for j in members for b in blocks_of[j]), key=lambda b: (b.owner, b.param, b.row_start))
         offsets, flag_offsets, splits = [], [], []
         cursor = 0
         for rank in range(num_ranks):
-            mine = [j for j in ordered if owners[j] == rank]
+            mine = [b for b in ordered if b.owner == rank]
             start = cursor
-            for j in mine:
+            for b in mine:
                 offsets.append(cursor)
-                cursor += params[j].numel()
+                cursor += params[b.param].numel() // _num_rows(params[b.param]) * b.num_rows if b.num_rows else 0
             for _ in mine:
                 flag_offsets.append(cursor)
                 cursor += 1
             splits.append(cursor - start)
-        first = params[ordered[0]]
+        first = params[ordered[0].param]
         specs.append(
             BucketSpec(
                 index=index,
-                params=tuple(params[j] for j in ordered),
-                owners=tuple(owners[j] for j in ordered),
+                params=tuple(params[b.param] for b in ordered),
+                owners=tuple(b.owner for b in ordered),
                 offsets=tuple(offsets),
                 flag_offsets=tuple(flag_offsets),
                 splits=tuple(splits),
                 wire_dtype=wire_dtype_of.get(first.dtype, first.dtype),
                 device=first.device,
                 grad_dtype=(grad_dtype_of or {}).get(first.dtype, first.dtype),
+                rows=tuple((b.row_start, b.row_stop) for b in ordered),
             )
         )
     return specs
+
+
+def _blocks(params: Sequence[torch.nn.Parameter], owners: Sequence[int],
+            split: Mapping[int, Sequence[Block]]) -> list[tuple[Block, ...]]:
+    """Each parameter's blocks: its ``split`` ones, checked, or one whole block on its owner."""
+    out = []
+    for j, p in enumerate(params):
+        rows = _num_rows(p)
+        blocks = tuple(split.get(j, ())) or (Block(j, 0, rows, owners[j]),)
+        cuts = [(b.row_start, b.row_stop) for b in blocks]
+        tiled = (all(b.param == j for b in blocks) and cuts[0][0] == 0 and cuts[-1][1] == rows
+                 and all(a[1] == b[0] for a, b in itertools.pairwise(cuts)))
+        if not tiled or len({b.owner for b in blocks}) != len(blocks):
+            raise ValueError(
+                f"split[{j}] = {cuts} (owners {[b.owner for b in blocks]}) for a parameter of {rows} rows: the blocks "
+                "of a split parameter must tile rows 0..shape[0] in order with one block per owner; pass the blocks "
+                "of OSS.plan for that parameter"
+            )
+        out.append(blocks)
+    return out
 
 
 class Reduced(NamedTuple):
@@ -200,7 +272,8 @@ class Reduced(NamedTuple):
 
     param: torch.nn.Parameter
     grad: torch.Tensor | None
-    """The summed gradient, or ``None`` when it is known that no rank had one."""
+    """The summed gradient (of this rank's rows, shaped ``(rows, *shape[1:])``, for a split
+    parameter), or ``None`` when it is known that no rank had one."""
     used: torch.Tensor | None
     """``None`` when ``grad`` is decided; else the summed flag (a 1-element device tensor): the
     gradient counts only if it is above zero, read later with the others (Note [host reads
@@ -221,7 +294,10 @@ class GradBucket:
         self.spec = spec
         self._rank = rank
         self._scale = scale
-        self._position = {p: k for k, p in enumerate(spec.params)}
+        self._entries: dict[torch.nn.Parameter, tuple[int, ...]] = {}  # a split parameter has several
+        for k, p in enumerate(spec.params):
+            self._entries[p] = (*self._entries.get(p, ()), k)
+        self._spans = [spec.span(k) for k in range(len(spec.params))]
         self.state = BucketState.EMPTY
         self._send: list[torch.Tensor] | None = None
         self._recv: list[torch.Tensor] = []
@@ -265,10 +341,11 @@ class GradBucket:
 
     def holds(self, param: torch.nn.Parameter) -> bool:
         """Whether ``param``'s gradient is already in the bucket this iteration."""
-        return self._position[param] in self._filled
+        return self._entries[param][0] in self._filled
 
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Copy ``grad * scale`` into the parameter's slot (its flag is set at :meth:`launch`).
+        """Copy ``grad * scale`` into the parameter's slot, or each block's rows into its
+        owner's slot for a split parameter (the flags are set at :meth:`launch`).
 
         A gradient narrower than the wire (bf16 into an fp32 bucket) is widened exactly
         first and scaled in the wire dtype; otherwise the product is rounded to the wire.
@@ -281,17 +358,21 @@ class GradBucket:
                 f"[rank {self._rank}] a gradient for a parameter of bucket {self.spec.index} arrived after "
                 "the bucket was sent: a parameter got two gradients in one backward pass"
             )
-        k = self._position[param]
-        if k in self._filled:
-            raise AssertionError(f"[rank {self._rank}] parameter {k} of bucket {self.spec.index} filled twice")
+        entries = self._entries[param]
+        if entries[0] in self._filled:
+            raise AssertionError(f"[rank {self._rank}] parameter {entries[0]} of bucket {self.spec.index} filled twice")
         assert self._send is not None
-        owner, start, _ = self._slot[k]
-        slot = self._send[owner][start : start + param.numel()]
-        if grad.dtype.itemsize < slot.dtype.itemsize:
-            slot.copy_(grad.reshape(-1)).mul_(self._scale)
-        else:
-            torch.mul(grad.reshape(-1), self._scale, out=slot)
-        self._filled.add(k)
+        flat = grad.reshape(-1)
+        for k in entries:  # one per owned block (Note [split parameters in buckets])
+            owner, start, _ = self._slot[k]
+            lo, hi = self._spans[k]
+            slot = self._send[owner][start : start + hi - lo]
+            source = flat if len(entries) == 1 else flat[lo:hi]
+            if grad.dtype.itemsize < slot.dtype.itemsize:
+                slot.copy_(source).mul_(self._scale)
+            else:
+                torch.mul(source, self._scale, out=slot)
+            self._filled.add(k)
 
     def launch(self, group: comm.ProcessGroup | None, num_ranks: int) -> None:
         """Set the flags, zero the slots nobody filled and send; the bucket keeps the pending
@@ -304,10 +385,11 @@ class GradBucket:
         assert self._send is not None
         for owner, (lo, hi) in self._flag_ranges.items():
             self._send[owner][lo:hi].fill_(1)
-        for k, param in enumerate(self.spec.params):
+        for k in range(len(self.spec.params)):
             if k not in self._filled:
                 owner, start, flag = self._slot[k]
-                self._send[owner][start : start + param.numel()].zero_()
+                lo, hi = self._spans[k]
+                self._send[owner][start : start + hi - lo].zero_()
                 self._send[owner][flag : flag + 1].zero_()
         mine = self.spec.splits[self._rank]
         recv = [
@@ -327,7 +409,7 @@ class GradBucket:
         them until :meth:`release`: Note [reductions on a side stream] in ``streams``).
 
         Returns:
-            A :class:`Reduced` for each parameter this rank owns in the bucket.
+            A :class:`Reduced` for each parameter this rank owns (rows of) in the bucket.
         """
         pending, recv = self._pending, self._recv
         assert pending is not None, f"[rank {self._rank}] bucket {self.spec.index} finished without being launched"
@@ -372,7 +454,13 @@ class GradBucket:
         for k in mine:
             param = self.spec.params[k]
             start = self.spec.offsets[k] - base
-            grad = total[start : start + param.numel()].view_as(param)
+            lo, hi = self._spans[k]
+            grad = total[start : start + hi - lo]
+            if self.spec.is_whole(k):
+                grad = grad.view_as(param)
+            else:  # this rank's rows of a split parameter (Note [split parameters in buckets])
+                row_start, row_stop = self.spec.rows[k]
+                grad = grad.view(row_stop - row_start, *param.shape[1:])
             if k in self._used_here or num_ranks == 1:
                 # Used here, so used somewhere; at one rank, unused here is unused everywhere.
                 out.append(Reduced(param, grad if k in self._used_here else None, None))

@@ -8,9 +8,11 @@ In, from ShardedDataParallel's hooks: a parameter about to accumulate a gradient
 (:meth:`~OwnerGrads.keep_local`) or to be reduced now (:meth:`~OwnerGrads.take_for_bucket`);
 from the :class:`~shardopt.nn.data_parallel.reduction_queue.ReductionQueue`: each reduced
 gradient (:meth:`~OwnerGrads.receive`). Out: local gradients for the buckets, and on the
-owner the reduced gradient in ``param.grad`` (added to what was set aside) or in its
-master's fp32 ``.grad``, with a placeholder left in ``param.grad`` (Note [placeholders for
-moved gradients] in :mod:`shardopt.placeholders`).
+owner the reduced gradient in the optimizer's gradient holder for it
+(:meth:`OSS.grad_holder <shardopt.optim.OSS.grad_holder>`): ``param.grad`` (added to what
+was set aside), its master's fp32 ``.grad`` with a placeholder left in ``param.grad`` (Note
+[placeholders for moved gradients] in :mod:`shardopt.placeholders`), or for a parameter split
+across ranks the ``.grad`` of the leaf holding this rank's rows, ``param.grad`` left ``None``.
 
 Note [owner's gradient across backward passes]
 After a reduction the owner's ``.grad`` holds the *averaged* gradient; no other rank has
@@ -26,6 +28,11 @@ any time, is safe, and an in-place edit of the reduced gradient is kept, as with
 A ``.grad`` *replaced* by a new tensor is not ours and counts as a local gradient, as DDP
 counts every ``.grad``: replace the owner's reduced gradient only before a step, not
 before more backward passes.
+Where the owner's gradient lives in another tensor than ``param.grad`` (a master's ``.grad``,
+or the rows of a split parameter, Note [split parameters in buckets] in grad_buckets),
+nothing is set aside: autograd's ``param.grad`` only ever holds local gradients, and each
+reduction adds into the holder's ``.grad``. Dropping such a gradient takes
+``ShardedDataParallel.zero_grad`` or ``OSS.zero_grad`` (a master's also the placeholder).
 The set-aside runs as a pre-hook of the parameter's AccumulateGrad node, which runs only
 when a gradient is really accumulated. A tensor hook (``param.register_hook``) would also
 fire for ``torch.autograd.grad(loss, params)``, which never touches ``.grad``: the owner's
@@ -118,9 +125,11 @@ class OwnerGrads:
         self._local_pending.clear()
 
     def receive(self, param: nn.Parameter, reduced: torch.Tensor | None, grad_dtype: torch.dtype) -> None:
-        """Give the owner ``param``'s reduced gradient (``None``: no rank had one), in ``grad_dtype``."""
-        if grad_dtype != param.dtype:  # Note [reduce into master gradients] in grad_buckets
-            self._add_to_master(param, reduced)
+        """Give the owner ``param``'s reduced gradient (``None``: no rank had one), in ``grad_dtype``:
+        for a split parameter, this rank's rows of it."""
+        holder = self._optim_of[param].grad_holder(param)
+        if holder is not param:  # a master or a split parameter's rows: Note [reduce into master gradients]
+            self._add_to_holder(param, holder, reduced)
             return
         kept = self._set_aside.pop(param, None)
         if reduced is None:
@@ -149,22 +158,28 @@ class OwnerGrads:
         self._local_sums.clear()
 
     def zero(self) -> None:
-        """Drop every held gradient: masters' gradients, ``no_sync`` sums, set-aside ones."""
-        for master in [opt.master_of(p) for p, opt in self._optim_of.items()]:
-            if master is not None:
-                master.grad = None
+        """Drop every held gradient: holders' (masters', split rows'), ``no_sync`` sums, set-aside ones."""
+        for param, opt in self._optim_of.items():
+            holder = opt.grad_holder(param)
+            if holder is not None and holder is not param:
+                holder.grad = None
         self._local_sums.clear()
         self._set_aside.clear()
         self._written.clear()
         self._local_pending.clear()
 
     def _master_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        return self._optim_of[param].master_of(param) if param.dtype in self._grad_dtypes else None
+        """The master (of this rank's rows) of a parameter that has masters; ``None`` elsewhere."""
+        return self._optim_of[param].grad_holder(param) if param.dtype in self._grad_dtypes else None
 
-    def _add_to_master(self, param: torch.Tensor, reduced: torch.Tensor | None) -> None:
-        master = self._optim_of[param].master_of(param)
-        assert master is not None, f"[rank {self._rank}] {self._name_of(param)!r} was reduced here, but has no master"
-        self._local_sums.settle(param, master)  # Note [placeholders for moved gradients] in shardopt.placeholders
+    def _add_to_holder(self, param: torch.Tensor, holder: torch.Tensor | None, reduced: torch.Tensor | None) -> None:
+        """Add the reduced gradient (rows) into ``holder.grad``; a master's placeholder is settled
+        before and left after (Note [placeholders for moved gradients] in shardopt.placeholders)."""
+        assert holder is not None, f"[rank {self._rank}] {self._name_of(param)!r} was reduced here, but owns no rows"
+        masters = param.dtype in self._grad_dtypes
+        if masters:
+            self._local_sums.settle(param, holder)
         if reduced is not None:
-            master.grad = reduced if master.grad is None else master.grad.add_(reduced)
-        self._local_sums.leave(param, master)
+            holder.grad = reduced if holder.grad is None else holder.grad.add_(reduced)
+        if masters:
+            self._local_sums.leave(param, holder)

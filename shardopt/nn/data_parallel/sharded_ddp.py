@@ -35,6 +35,7 @@ from shardopt.nn.module_checks import refuse_sparse_modules
 from shardopt.optim.grad_norm import clip_for_wrapper
 from shardopt.optim.masters import needs_master
 from shardopt.optim.oss import OSS
+from shardopt.partition import Block
 
 __all__ = ["ShardedDataParallel"]
 
@@ -54,6 +55,10 @@ class ShardedDataParallel(nn.Module):
     goes to its master's fp32 ``.grad`` on the owner and accumulates there (Note [reduce into
     master gradients]); under ``no_sync`` local sums are kept in fp32 (Note [no_sync sums in
     master precision], 4 bytes per parameter while accumulating).
+    A parameter that OSS splits across ranks (``split_large_params``) is reduced per block:
+    each owner receives the averaged gradient of its rows in ``OSS.grad_holder(param).grad``
+    (its master's, or a leaf of its rows) and ``param.grad`` stays ``None`` on every rank
+    (Note [split parameters in buckets] in ``grad_buckets``).
 
     Args:
         module: the model; all its parameters on one device type.
@@ -185,8 +190,11 @@ class ShardedDataParallel(nn.Module):
                 f"{len(missing)} trainable parameter(s) of the module (first of shape {missing[0]}) are not "
                 "in any sharded optimizer; build OSS over all of them: OSS(model.parameters(), ...)"
             )
-        specs = plan_buckets(trainable, [owners[p] for p in trainable], self.world_size,
-                             self.reduce_buffer_size or _MIN_BUCKET_NUMEL, self._wire_dtypes, self._grad_dtypes)
+        position = {p: j for j, p in enumerate(trainable)}  # Note [split parameters in buckets] in grad_buckets
+        split = {position[p]: tuple(Block(position[p], b.row_start, b.row_stop, b.owner) for b in owners[p])
+                 for p in trainable if len(owners[p]) > 1}
+        specs = plan_buckets(trainable, [owners[p][0].owner for p in trainable], self.world_size,
+                             self.reduce_buffer_size or _MIN_BUCKET_NUMEL, self._wire_dtypes, self._grad_dtypes, split)
         if self.world_size == 1:  # Note [one rank passes gradients through] in reduction_queue
             self._queue = PassThroughQueue(trainable, self._wire_dtypes, self._grad_dtypes, self._grads.receive)
         else:
@@ -439,16 +447,20 @@ def _trainable_signature(module: nn.Module) -> tuple[bool, ...]:
 
 
 def _plan_ownership(optimizers: list[OSS], name_of: Callable[[torch.Tensor], str]
-                    ) -> tuple[dict[torch.Tensor, int], dict[torch.Tensor, OSS]]:
-    """The owner rank and the optimizer of every parameter the optimizers hold.
+                    ) -> tuple[dict[torch.Tensor, tuple[Block, ...]], dict[torch.Tensor, OSS]]:
+    """The owned blocks (one, whole, unless the parameter is split across ranks) and the
+    optimizer of every parameter the optimizers hold.
 
     Raises:
         ValueError: a parameter is listed twice in one optimizer, or in two of them.
     """
-    owners: dict[torch.Tensor, int] = {}
+    owners: dict[torch.Tensor, tuple[Block, ...]] = {}
     optim_of: dict[torch.Tensor, OSS] = {}
     source: dict[torch.Tensor, int] = {}
     for k, opt in enumerate(optimizers):
+        blocks: dict[int, tuple[Block, ...]] = {}
+        for block in opt.plan.blocks:
+            blocks[block.param] = (*blocks.get(block.param, ()), block)
         for i, p in enumerate(opt.params):
             if p in owners:
                 what = f"parameter {name_of(p)!r} of shape {tuple(p.shape)}"
@@ -460,7 +472,7 @@ def _plan_ownership(optimizers: list[OSS], name_of: Callable[[torch.Tensor], str
                     )
                 raise ValueError(f"{what} is in two of the sharded optimizers ({source[p]} and {k}); "
                                  "give each parameter to exactly one OSS")
-            owners[p] = opt.partition.owners[i]
+            owners[p] = blocks[i]
             source[p] = k
             optim_of[p] = opt
     return owners, optim_of
