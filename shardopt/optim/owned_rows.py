@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardopt.partition import SplitPlan
+from shardopt.placeholders import take_placeholder
 
 __all__ = ["OwnedRows"]
 
@@ -72,8 +73,12 @@ class OwnedRows:
 
     def link_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Give each view the rows of its parameter's ``.grad`` where it has one (ZeRO-1); a
-        view whose parameter has none keeps what ShardedDataParallel wrote (ZeRO-2)."""
+        view whose parameter has none keeps what ShardedDataParallel wrote (ZeRO-2), unless
+        the placeholder left for it was dropped or zeroed (Note [split gradients behind
+        placeholders] in :mod:`shardopt.nn.data_parallel.owner_grads`)."""
         for i, view in self._views.items():
+            if not take_placeholder(params[i]):
+                view.grad = None
             grad = params[i].grad
             if grad is not None:
                 a, b = self.rows[i]

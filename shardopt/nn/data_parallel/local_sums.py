@@ -34,6 +34,13 @@ class LocalSums:
     def __init__(self, sum_dtype_of: dict[torch.dtype, torch.dtype]) -> None:
         self._sum_dtype_of = dict(sum_dtype_of)
         self._sums: dict[torch.Tensor, torch.Tensor] = {}
+        self._own_dtype: set[torch.Tensor] = set()
+
+    def keep_in_own_dtype(self, params: set[torch.Tensor]) -> None:
+        """Also keep the local sums of ``params`` (split parameters, Note [split gradients
+        behind placeholders] in :mod:`shardopt.nn.data_parallel.owner_grads`) out of
+        ``.grad``, in their own dtype (no copy, no rounding)."""
+        self._own_dtype = set(params)
 
     def __len__(self) -> int:
         return len(self._sums)
@@ -42,7 +49,7 @@ class LocalSums:
     def keep(self, param: torch.Tensor) -> None:
         """Move ``param.grad`` into the parameter's sum (a no-op for other dtypes)."""
         grad = param.grad
-        dtype = self._sum_dtype_of.get(param.dtype)
+        dtype = self._sum_dtype_of.get(param.dtype, param.dtype if param in self._own_dtype else None)
         if grad is None or dtype is None:
             return
         total = self._sums.get(param)

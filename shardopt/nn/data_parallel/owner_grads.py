@@ -12,7 +12,8 @@ owner the reduced gradient in the optimizer's gradient holder for it
 (:meth:`OSS.grad_holder <shardopt.optim.OSS.grad_holder>`): ``param.grad`` (added to what
 was set aside), its master's fp32 ``.grad`` with a placeholder left in ``param.grad`` (Note
 [placeholders for moved gradients] in :mod:`shardopt.placeholders`), or for a parameter split
-across ranks the ``.grad`` of the leaf holding this rank's rows, ``param.grad`` left ``None``.
+across ranks the ``.grad`` of the leaf holding this rank's rows, with a placeholder too (Note
+[split gradients behind placeholders]).
 
 Note [owner's gradient across backward passes]
 After a reduction the owner's ``.grad`` holds the *averaged* gradient; no other rank has
@@ -31,12 +32,24 @@ before more backward passes.
 Where the owner's gradient lives in another tensor than ``param.grad`` (a master's ``.grad``,
 or the rows of a split parameter, Note [split parameters in buckets] in grad_buckets),
 nothing is set aside: autograd's ``param.grad`` only ever holds local gradients, and each
-reduction adds into the holder's ``.grad``. Dropping such a gradient takes
-``ShardedDataParallel.zero_grad`` or ``OSS.zero_grad`` (a master's also the placeholder).
+reduction adds into the holder's ``.grad``. Dropping such a gradient takes any zero_grad,
+the module's included, through the placeholder left in ``param.grad``.
 The set-aside runs as a pre-hook of the parameter's AccumulateGrad node, which runs only
 when a gradient is really accumulated. A tensor hook (``param.register_hook``) would also
 fire for ``torch.autograd.grad(loss, params)``, which never touches ``.grad``: the owner's
 reduced gradient would vanish into the set-aside table and the step would skip it.
+
+Note [split gradients behind placeholders]
+A split parameter's reduced rows live in the ``.grad`` of its owner's row view, which
+``model.zero_grad()`` cannot see: zeroing the module between two backward passes of one step
+would leave the rows of the first, and the step would add gradients the user discarded
+(measured: 0.02 off DDP at 2 ranks). So split parameters are handled as parameters with
+masters are (Note [placeholders for moved gradients] in :mod:`shardopt.placeholders`): a
+placeholder stands in ``param.grad`` while a holder or a ``no_sync`` sum keeps its gradient,
+on every rank; a ``no_sync`` local gradient moves into a sum in its own dtype (the same
+tensor, no copy) so the placeholder can stand; a placeholder found dropped or zeroed
+before the next use drops what it stood for. ``OSS`` takes the placeholder when it links or
+folds the rows (``OwnedRows.link_grads``, ``MasterWeights.fold_grads``).
 """
 
 from __future__ import annotations
@@ -73,10 +86,14 @@ class OwnerGrads:
         self._set_aside: dict[nn.Parameter, torch.Tensor] = {}
         self._written: dict[nn.Parameter, weakref.ref[torch.Tensor]] = {}
         self._local_pending: set[nn.Parameter] = set()
+        self._elsewhere: set[torch.Tensor] = set()
 
     def plan(self, optim_of: Mapping[torch.Tensor, OSS]) -> None:
         """Take the optimizer of every parameter (after a (re)plan)."""
         self._optim_of = dict(optim_of)
+        split = {opt.params[i] for opt in set(optim_of.values()) for i in opt.plan.split_params}
+        self._elsewhere = {p for p in optim_of if p.dtype in self._grad_dtypes} | split
+        self._local_sums.keep_in_own_dtype(split)  # Note [split gradients behind placeholders]
 
     @property
     def has_local(self) -> bool:
@@ -88,7 +105,7 @@ class OwnerGrads:
         aside the owner's reduced gradient (Note [owner's gradient across backward passes]).
         Installed, bound to ``param``, as a pre-hook of its AccumulateGrad node, which
         passes ``grad_outputs`` (unused)."""
-        if param.dtype in self._grad_dtypes:
+        if param in self._elsewhere:
             self._local_sums.settle(param, self._master_of(param))
         written = self._written.pop(param, None)
         if written is not None and param.grad is not None and written() is param.grad:
@@ -113,7 +130,7 @@ class OwnerGrads:
         """What ``param`` accumulated under ``no_sync`` and no hook took since, freeing ``.grad``."""
         if param not in self._local_pending:
             return None
-        if param.dtype in self._grad_dtypes:  # Note [placeholders for moved gradients] in shardopt.placeholders
+        if param in self._elsewhere:  # Note [placeholders for moved gradients] in shardopt.placeholders
             self._local_sums.settle(param, self._master_of(param))
         grad = self._local_sums.take(param, param.grad)
         if grad is not None:
@@ -169,17 +186,15 @@ class OwnerGrads:
         self._local_pending.clear()
 
     def _master_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The master (of this rank's rows) of a parameter that has masters; ``None`` elsewhere."""
-        return self._optim_of[param].grad_holder(param) if param.dtype in self._grad_dtypes else None
+        """Where this rank holds ``param``'s gradient outside ``param.grad``: the master (of its
+        rows) of a parameter that has masters, the row view of a split one; ``None`` elsewhere."""
+        return self._optim_of[param].grad_holder(param) if param in self._elsewhere else None
 
     def _add_to_holder(self, param: torch.Tensor, holder: torch.Tensor | None, reduced: torch.Tensor | None) -> None:
         """Add the reduced gradient (rows) into ``holder.grad``; a master's placeholder is settled
         before and left after (Note [placeholders for moved gradients] in shardopt.placeholders)."""
         assert holder is not None, f"[rank {self._rank}] {self._name_of(param)!r} was reduced here, but owns no rows"
-        masters = param.dtype in self._grad_dtypes
-        if masters:
-            self._local_sums.settle(param, holder)
+        self._local_sums.settle(param, holder)
         if reduced is not None:
             holder.grad = reduced if holder.grad is None else holder.grad.add_(reduced)
-        if masters:
-            self._local_sums.leave(param, holder)
+        self._local_sums.leave(param, holder)
