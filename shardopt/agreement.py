@@ -115,15 +115,22 @@ def raise_if_any_failed(what: str, error: BaseException | None, group: comm.Proc
         group: the ranks that must all have succeeded.
 
     Raises:
-        ValueError: naming the first failed rank and its error (chained from this rank's own
-            exception where it failed).
+        TypeError, ValueError or RuntimeError: the first failed rank's kind of error (other
+            kinds become ValueError), naming that rank and its error, on every rank (chained
+            from this rank's own exception where it failed).
     """
-    text = None if error is None else f"{type(error).__name__}: {error}"
+    text: tuple[str, str] | None = None if error is None else (type(error).__name__, f"{type(error).__name__}: {error}")
     texts = [text] if comm.group_size(group) == 1 else comm.all_gather_object(text, group)
     failed = [r for r, t in enumerate(texts) if t is not None]
     if not failed:
         return
-    raise ValueError(f"{what} failed on rank(s) {failed}; on rank {failed[0]}: {texts[failed[0]]}") from error
+    first = texts[failed[0]]
+    assert first is not None
+    kind, message = first
+    raise _KINDS.get(kind, ValueError)(f"{what} failed on rank(s) {failed}; on rank {failed[0]}: {message}") from error
+
+
+_KINDS: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
 
 
 def _disagreement(described: list[Any], group: comm.ProcessGroup | None) -> tuple[int, list[Any], list[Any]] | None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import gc
-import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,17 +34,14 @@ from shardopt import comm, failures
 from shardopt.nn import ShardedDataParallel
 from shardopt.nn.fsdp import FullyShardedDataParallel, MixedPrecision, ModuleClassPolicy
 from shardopt.optim import OSS
-from shardopt.partition import partition_by_size, plan_split
+from shardopt.partition import cut_quantum, partition_by_size, plan_split
 
 __all__ = ["CATEGORIES", "Measured", "Mode", "RankBytes", "Workload", "fake_group_ddp_hook", "held_bytes", "measure",
-           "measure_rank", "ranks_to_measure", "split_supported"]
+           "measure_rank", "ranks_to_measure"]
 
 CATEGORIES = ("params", "grads", "masters", "optimizer")
 """What :class:`RankBytes` counts, in the order a storage is attributed (Note [what a measured rank holds])."""
 
-SPLIT_KEYWORD = "split_large_params"
-SPLIT_MISSING = f"needs OSS({SPLIT_KEYWORD})"
-"""Why the split mode cannot run in a shardopt whose OSS lacks the keyword (issue 27)."""
 
 
 class Mode(enum.Enum):
@@ -54,9 +50,9 @@ class Mode(enum.Enum):
     DDP = "ddp"
     """torch's DDP + Adam; with masters, OSS over this rank alone (fp32 masters on every rank)."""
     ZERO1 = "zero1"
-    """DDP + OSS(Adam): optimizer state (and masters) owned whole per parameter."""
+    """DDP + OSS(Adam, split_large_params=False): optimizer state (and masters) owned whole per parameter."""
     ZERO2 = "zero2"
-    """ShardedDataParallel + OSS(Adam), every parameter owned whole (OSS's plan today)."""
+    """ShardedDataParallel + OSS(Adam, split_large_params=False): every parameter owned whole."""
     ZERO2_SPLIT = "zero2-split"
     """ShardedDataParallel + OSS(Adam, split_large_params=True): large parameters owned in row blocks."""
     ZERO3 = "zero3"
@@ -70,11 +66,6 @@ class Mode(enum.Enum):
 
 _SHARDED = {Mode.DDP: (), Mode.ZERO1: ("masters", "optimizer"), Mode.ZERO2: ("grads", "masters", "optimizer"),
             Mode.ZERO2_SPLIT: ("grads", "masters", "optimizer"), Mode.ZERO3: CATEGORIES}
-
-
-def split_supported() -> bool:
-    """Whether this shardopt's ``OSS`` takes ``split_large_params`` (the :attr:`Mode.ZERO2_SPLIT` mode)."""
-    return SPLIT_KEYWORD in inspect.signature(OSS.__init__).parameters
 
 
 @dataclass(frozen=True)
@@ -247,9 +238,8 @@ class _Built:
 
 
 def _oss(module: nn.Module, mixed: bool, group: comm.ProcessGroup | None, split: bool) -> OSS:
-    extra = {SPLIT_KEYWORD: True} if split else {}
     return OSS(module.parameters(), optim=torch.optim.Adam, group=group,
-               master_dtype=torch.float32 if mixed else None, lr=1e-3, **extra)
+               master_dtype=torch.float32 if mixed else None, lr=1e-3, split_large_params=split)
 
 
 def _build(mode: Mode, workload: Workload, mixed: bool) -> _Built:
@@ -280,9 +270,6 @@ def _check(mode: Mode, world_size: int, rank: int) -> None:
                          "simulate, e.g. 64")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    if mode is Mode.ZERO2_SPLIT and not split_supported():
-        raise ValueError(f"mode {mode.value!r} {SPLIT_MISSING}, which this shardopt's OSS lacks (issue 27); measure "
-                         "the other modes, or update shardopt")
     if dist.is_initialized():
         raise RuntimeError("measure_rank makes its own fake default process group, but torch.distributed is "
                            f"already initialised (backend {dist.get_backend()!r}); call it in a process without one "
@@ -306,8 +293,7 @@ def measure_rank(workload: Workload, mode: Mode, mixed: bool, world_size: int, r
         The bytes this rank holds.
 
     Raises:
-        ValueError: a world size or rank out of range, or :attr:`Mode.ZERO2_SPLIT` in a
-            shardopt without ``OSS(split_large_params)``.
+        ValueError: a world size or rank out of range.
         RuntimeError: ``torch.distributed`` is already initialised.
     """
     _check(mode, world_size, rank)
@@ -353,7 +339,9 @@ def ranks_to_measure(mode: Mode, shapes: Sequence[Sequence[int]], world_size: in
     if mode in (Mode.ZERO1, Mode.ZERO2):
         loads = partition_by_size(sizes, world_size).rank_bytes
     elif mode is Mode.ZERO2_SPLIT:
-        loads = plan_split(sizes, [s[0] if len(s) else 1 for s in shapes], world_size).rank_bytes
+        rows = [s[0] if len(s) else 1 for s in shapes]
+        quanta = [cut_quantum(math.prod(s) // r if r else 0) for s, r in zip(shapes, rows, strict=True)]
+        loads = plan_split(sizes, rows, world_size, quanta).rank_bytes
     if loads:
         ranks.add(max(range(world_size), key=lambda r: (loads[r], -r)))
     return tuple(sorted(ranks))

@@ -30,7 +30,6 @@ from shardopt.app.cli import main
 from shardopt.app.decoder import Decoder, DecoderLayer, decoder_loss, scaled
 from shardopt.app.shapes import SHAPE_PRESETS
 from shardopt.fake_ranks import (
-    SPLIT_MISSING,
     Measured,
     Mode,
     Workload,
@@ -38,7 +37,6 @@ from shardopt.fake_ranks import (
     measure,
     measure_rank,
     ranks_to_measure,
-    split_supported,
 )
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
@@ -50,7 +48,6 @@ LLAMA = SHAPE_PRESETS["llama3-8b"]
 TINY = scaled(LLAMA, 128)  # 490k parameters: vocab 1002, hidden 32, 32 layers
 SHORT = replace(TINY, num_layers=2)  # the same widths, 2 layers: quick to build
 SMALL = scaled(LLAMA, 64)  # 1.96M parameters: vocab 2004, hidden 64; rows enough for N = 64
-needs_split = pytest.mark.skipif(not split_supported(), reason=SPLIT_MISSING)
 
 
 def _workload(shape: Any) -> Workload:
@@ -140,7 +137,7 @@ def test_the_ddp_hook_refuses_a_group_that_is_not_fake() -> None:
 
 
 def test_every_mode_builds_trains_and_measures_under_a_fake_group_of_4() -> None:
-    modes = [m for m in Mode if m is not Mode.ZERO2_SPLIT or split_supported()]
+    modes = list(Mode)
     results = measure(_workload(SHORT), SHORT.shapes(), modes, (False, True), (4,))
     assert [(r.mode, r.mixed) for r in results] == [(m, x) for m in modes for x in (False, True)]
     for r in results:
@@ -206,17 +203,10 @@ def test_the_whole_parameter_plan_is_unbalanced_at_64_ranks() -> None:
     assert zero2.sharded_ratio is not None and zero2.sharded_ratio > 4.0  # the plan's 4.18x
 
 
-@needs_split
 def test_split_rows_bring_the_heaviest_rank_within_5_percent_of_the_ideal_at_64_ranks() -> None:
     for mixed in (False, True):
         [split] = measure(_workload(SMALL), SMALL.shapes(), [Mode.ZERO2_SPLIT], (mixed,), (64,))
         assert split.sharded_ratio is not None and split.sharded_ratio <= 1.05, (mixed, split.sharded_ratio)
-
-
-@pytest.mark.skipif(split_supported(), reason="OSS(split_large_params) exists here")
-def test_split_mode_without_the_keyword_says_what_it_needs() -> None:
-    with pytest.raises(ValueError, match=r"mode 'zero2-split' needs OSS\(split_large_params\), which this shardopt's"):
-        measure_rank(_workload(TINY), Mode.ZERO2_SPLIT, False, 4, 0)
 
 
 def test_bad_measure_calls_fail_before_building(fake_group: None) -> None:
@@ -263,18 +253,15 @@ def test_estimate_measure_prints_and_writes_each_mode_and_world_size(tmp_path: P
     data = _estimate(tmp_path, "--fp32", "--measure-world-sizes", "1,4", "--measure-modes", "zero1,zero2-split")
     rows = data["measured"]
     measured = [r for r in rows if "skipped" not in r]
-    assert [(r["mode"], r["world_size"]) for r in measured[:2]] == [("zero1", 1), ("zero1", 4)]
+    zero1 = [r for r in measured if r["mode"] == "zero1"]
+    assert [(r["mode"], r["world_size"]) for r in zero1] == [("zero1", 1), ("zero1", 4)]
     assert all(r["precision"] == "fp32" for r in measured)
-    four = measured[1]
+    four = zero1[1]
     assert four["heaviest_bytes"] == max(p["total"] for p in four["per_rank"])
-    assert four["ideal_sharded_bytes"] == measured[0]["heaviest_sharded_bytes"] / 4
+    assert four["ideal_sharded_bytes"] == zero1[0]["heaviest_sharded_bytes"] / 4
     printed = capsys.readouterr().out
     assert "measured under torch's fake process group" in printed and "ZeRO-1 whole" in printed
-    if split_supported():
-        assert any(r["mode"] == "zero2-split" for r in measured)
-    else:
-        assert rows[-1] == {"mode": "zero2-split", "stage": "ZeRO-2 split", "skipped": SPLIT_MISSING}
-        assert "ZeRO-2 split: skipped, needs OSS(split_large_params)" in printed
+    assert any(r["mode"] == "zero2-split" for r in measured) and "ZeRO-2 split" in printed
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")

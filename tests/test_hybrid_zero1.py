@@ -65,7 +65,7 @@ def _train(layout: HybridLayout, rank: int) -> dict[str, Any]:
             scaled = scaled or float(want) > CLIP
         ref_opt.step()
         opt.step()
-    owned = [i for i in range(len(opt.params)) if opt.owns(i)]
+    owned = [(b.param, b.row_start, b.row_stop) for b in opt.plan.blocks_of_rank(opt.rank)]  # split or whole
     opt.consolidate_state_dict(recipient_rank=0)
     on_recipient = _state_diff(opt.state_dict(), ref_opt.state_dict()) if layout.shard_rank == 0 else None
     full = opt.state_dict(all_ranks=True)
@@ -134,6 +134,10 @@ def test_hybrid_zero1_equals_ddp_bit_for_bit_and_its_consolidated_state_resumes_
             if rank % 2 == 0:  # shard rank 0 of each group received the consolidated state
                 assert r["recipient_state_diff"] == 0.0, (form, rank, r)
         # Within a group the two ranks own complementary halves; across groups, the same half.
-        n = len(rows[0]["owned"]) + len(rows[1]["owned"])
-        assert sorted(rows[0]["owned"] + rows[1]["owned"]) == list(range(n)) and rows[0]["owned"] and rows[1]["owned"]
+        # the two ranks of a shard group own every block of the plan once between them
+        blocks = sorted(rows[0]["owned"] + rows[1]["owned"])
+        assert len(set(blocks)) == len(blocks) and rows[0]["owned"] and rows[1]["owned"]
+        for param in {b[0] for b in blocks}:
+            mine = sorted(b for b in blocks if b[0] == param)
+            assert mine[0][1] == 0 and all(a[2] == b[1] for a, b in zip(mine, mine[1:]))  # contiguous rows
         assert rows[0]["owned"] == rows[2]["owned"] and rows[1]["owned"] == rows[3]["owned"]

@@ -21,7 +21,7 @@ from rich.console import Console
 from shardopt.app.render import render_measured
 from shardopt.app.decoder import Decoder, DecoderLayer, decoder_loss, scaled
 from shardopt.app.shapes import SHAPE_PRESETS, DecoderShape, read_hf_config
-from shardopt.fake_ranks import SPLIT_MISSING, Measured, Mode, Workload, measure, split_supported
+from shardopt.fake_ranks import Measured, Mode, Workload, measure
 
 __all__ = ["DEFAULT_SCALE", "DEFAULT_WORLD_SIZES", "MAX_WORLD_SIZE", "Measurement", "add_measure_args",
            "check_measure_args", "decoder_shape", "measure_for_args", "mode_list", "run_measure", "world_size_list"]
@@ -177,8 +177,8 @@ def run_measure(shape: DecoderShape, scale: int, modes: Sequence[Mode] | None, w
     """
     small = scaled(shape, scale)
     chosen = tuple(Mode) if modes is None else tuple(modes)
-    skipped = tuple((m, SPLIT_MISSING) for m in chosen if m is Mode.ZERO2_SPLIT and not split_supported())
-    runnable = [m for m in chosen if all(m is not s for s, _ in skipped)]
+    skipped: tuple[tuple[Mode, str], ...] = ()
+    runnable = list(chosen)
     workload = Workload(partial(Decoder, small), partial(decoder_loss, vocab_size=small.vocab_size), DecoderLayer)
     console = Console(stderr=stderr)
     with console.status("measuring") as status:
