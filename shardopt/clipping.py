@@ -44,7 +44,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 
 __all__ = ["ClipArgs", "ClipFn", "Registration", "in_wrapper_order", "refuse_torch_grad_scaler", "register_sharded", "sharded_by",
-           "sharded_by_another", "torch_scaler_asks", "unregister"]
+           "sharded_by_another", "torch_grad_scaler_refused", "torch_scaler_asks", "unregister"]
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,12 @@ def refuse_torch_grad_scaler(optimizer: object, rank: int) -> None:
         return
     for name in ("found_inf", "grad_scale"):  # torch deletes them only after a step that returns
         optimizer.__dict__.pop(name, None)
-    raise RuntimeError(
+    raise torch_grad_scaler_refused(rank)
+
+
+def torch_grad_scaler_refused(rank: int) -> RuntimeError:
+    """The error for torch's ``GradScaler`` stepping an OSS under ShardedDataParallel."""
+    return RuntimeError(
         f"[rank {rank}] torch.amp.GradScaler cannot step an OSS under ShardedDataParallel: each rank holds and "
         "checks only its own gradients for inf/nan, so one rank would skip the step alone and hang the others; "
         "use shardopt.optim.ShardedGradScaler (same arguments), which agrees on inf/nan across ranks"

@@ -69,14 +69,14 @@ def test_estimate_llama3_8b_reports_the_heaviest_rank_of_the_real_plans(tmp_path
     data = _json(out)
     plan = data["plan"]
     assert data["num_params"] == 8_030_261_248 and data["largest_layer_params"] == 128256 * 4096
-    # the whole-parameter plan (OSS today) holds an untied 525M embedding on one rank: 23.4 GB with ZeRO-2,
+    # the whole-parameter plan (a matrix-wise optimizer's) holds an untied 525M embedding on one rank: 23.4 GB with ZeRO-2,
     # where the formula promises 17.8 GB (2 + 14/64 bytes per parameter); the row-split plan reaches it
     assert round(plan["unsplit_imbalance"], 2) == 4.19 and plan["split_imbalance"] <= 1.05
     assert round(plan["stage2_unsplit_bytes"] / 1e9, 1) == 23.4 and round(data["stage2_bytes"] / 1e9, 1) == 17.8
     assert round(plan["stage2_split_bytes"] / 1e9, 1) == 17.8 and plan["split_param_count"] == 2
     printed = capsys.readouterr().out
-    for text in ("heaviest rank under shardopt's ownership plans", "whole parameters (OSS today)", "4.187x",
-                 "23.4", "not in OSS yet"):
+    for text in ("heaviest rank under shardopt's ownership plans", "whole parameters (matrix-wise", "4.187x",
+                 "23.4", "row-split (OSS default"):
         assert text in printed, text
 
 

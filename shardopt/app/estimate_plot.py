@@ -4,7 +4,7 @@ Two panels (bf16 parameters with fp32 masters and Adam, K = 12; fp32 Adam, K = 8
 to 1024 on a log axis: DDP, ZeRO-1, ZeRO-2 and ZeRO-3 by the ZeRO paper's formulas
 (:func:`shardopt.memory.estimate_model_states`), and, when the shapes are known, the heaviest
 rank under the real plans (:func:`shardopt.memory.estimate_plans`): ZeRO-1 and ZeRO-2 with
-whole parameters (OSS today) and ZeRO-2 with large parameters split by rows (planned).
+whole parameters (as OSS plans for a matrix-wise optimizer) and ZeRO-2 with large parameters split by rows (OSS's default for an elementwise one).
 With ``--measure``, the heaviest measured rank of each mode is drawn as a marker on the same
 axes: measured on a scaled-down copy and multiplied by the full model's parameters over the
 copy's (every category the count includes grows with the parameter count, as the copy keeps
@@ -48,9 +48,9 @@ def _curves(model: Sequence[tuple[int, ...]] | int, mixed: bool,
         points = {"DDP": formula.ddp, "ZeRO-1 (formula)": formula.stage1, "ZeRO-2 (formula)": formula.stage2,
                   "ZeRO-3 (formula)": formula.stage3}
         if plan is not None:
-            points.update({"ZeRO-1, whole parameters (OSS today)": plan.stage1(False),
-                           "ZeRO-2, whole parameters (today)": plan.stage2(False),
-                           "ZeRO-2, large parameters split by rows (planned)": plan.stage2(True)})
+            points.update({"ZeRO-1, whole parameters (matrix-wise optimizers)": plan.stage1(False),
+                           "ZeRO-2, whole parameters (split_large_params=False)": plan.stage2(False),
+                           "ZeRO-2, large parameters split by rows (OSS default)": plan.stage2(True)})
         for label, value in points.items():
             curves.setdefault(label, []).append(value)
     return curves
@@ -58,9 +58,9 @@ def _curves(model: Sequence[tuple[int, ...]] | int, mixed: bool,
 
 _STYLE = {  # label: (colour, line style)
     "DDP": ("#444444", "-"), "ZeRO-1 (formula)": ("#e08a1e", ":"), "ZeRO-2 (formula)": ("#2a7ab9", ":"),
-    "ZeRO-3 (formula)": ("#3a9a4a", "-"), "ZeRO-1, whole parameters (OSS today)": ("#e08a1e", "-"),
-    "ZeRO-2, whole parameters (today)": ("#c0392b", "-"),
-    "ZeRO-2, large parameters split by rows (planned)": ("#2a7ab9", "--"),
+    "ZeRO-3 (formula)": ("#3a9a4a", "-"), "ZeRO-1, whole parameters (matrix-wise optimizers)": ("#e08a1e", "-"),
+    "ZeRO-2, whole parameters (split_large_params=False)": ("#c0392b", "-"),
+    "ZeRO-2, large parameters split by rows (OSS default)": ("#2a7ab9", "--"),
 }
 
 

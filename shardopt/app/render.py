@@ -291,8 +291,8 @@ def plan_rows(plan: PlanEstimate) -> list[dict[str, Any]]:
                                                  ("ZeRO-2", f.stage2, plan.stage2, plan.stage2_at_step)):
         for split in (False, True):
             value = bytes_of(split)
-            rows.append({"stage": stage, "plan": "row-split (planned; not in OSS yet)" if split else
-                         "whole parameters (OSS today)", "bytes": value, "at_step_bytes": at_step_of(split),
+            rows.append({"stage": stage, "plan": "row-split (OSS default, elementwise optimizers)" if split else
+                         "whole parameters (matrix-wise optimizers)", "bytes": value, "at_step_bytes": at_step_of(split),
                          "imbalance": plan.split_imbalance if split else plan.unsplit_imbalance,
                          "vs_formula": value / formula})
     return rows
@@ -371,7 +371,7 @@ def render_measured(measurement: Measurement, stderr: bool = False) -> None:
     table = Table(title=f"measured under torch's fake process group: a 1/{measurement.scale}-width copy "
                         f"({measurement.num_params:,} params; vocab {shape.vocab_size}, hidden {shape.hidden_size}, "
                         f"{shape.num_layers} layers), one forward/backward/step, then counted before the next step",
-                  caption=escape("whole: every parameter owned whole by one rank (OSS today); split: large parameters "
+                  caption=escape("whole: every parameter owned whole by one rank (split_large_params=False, matrix-wise optimizers); split: large parameters "
                                  "owned in row blocks (OSS(split_large_params=True)); bytes = distinct storages of "
                                  "parameters, gradients, fp32 masters (with their gradients) and optimizer state on "
                                  "the rank (Note [what a measured rank holds] in shardopt.fake_ranks); ideal = the same "

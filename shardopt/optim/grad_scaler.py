@@ -8,10 +8,14 @@ hang without a message. Making every rank skip is not enough to train on: torch'
 hands the optimizer a copy of this rank's flag, and its ``update()`` reads its own, so a
 rank that saw no inf would not back off and the ranks' scales would differ from then on.
 So an OSS whose gradients a live ShardedDataParallel shards takes part in torch's
-``_step_supports_amp_scaling`` protocol, under which torch's scaler calls ``OSS.step`` on
-every rank instead of deciding to skip, and the step raises at once, on every rank and
-before any collective, naming ``ShardedGradScaler`` (which agrees on the flag across ranks
-and steps OSS the ordinary way, never asking). The flag is raised only toward torch's
+``_step_supports_amp_scaling`` protocol: when torch's ``GradScaler.step`` reads the flag,
+the read itself raises, on every rank and before any collective, naming
+``ShardedGradScaler`` (which agrees on the flag across ranks and steps OSS the ordinary way,
+never asking). It raises at the read rather than in ``OSS.step``, which torch would call
+next, because in between torch checks this rank's gradients for inf in place, and a
+placeholder left in ``param.grad`` (Note [placeholders for moved gradients] in
+:mod:`shardopt.placeholders`) cannot be written; ``OSS.step`` still refuses a scaler that set
+``found_inf`` another way. The flag is raised only toward torch's
 ``GradScaler.step`` itself (the property looks at its caller's code object): other readers
 take it to mean "this optimizer unscales inside its step" (Lightning's AMP plugin then skips
 its unscale before clipping and refuses to clip), which OSS does not. Under DDP (ZeRO-1: DDP and OSS, no ShardedDataParallel)

@@ -62,6 +62,7 @@ from torch import nn
 
 from shardopt.nn.data_parallel.local_sums import LocalSums
 from shardopt.optim.oss import OSS
+from shardopt.placeholders import take_placeholder
 
 __all__ = ["OwnerGrads"]
 
@@ -164,6 +165,8 @@ class OwnerGrads:
             param.grad = kept if param.grad is None else kept.add_(param.grad)
         self._set_aside.clear()
         for p, total in self._local_sums.items():  # no_sync sums back into .grad (rounded)
+            if not take_placeholder(p):  # zeroed since: the sum was discarded
+                continue
             p.grad = total.to(p.dtype) if p.grad is None else p.grad.add_(total)
         self._local_sums.clear()
         self._written.clear()
