@@ -299,3 +299,28 @@ def test_split_arguments_are_checked_and_an_unbalanced_whole_plan_warns_naming_t
         # every rank raises, naming the rank whose parameters Muon refused (not "rank N left" later)
         assert re.match(r"OSS: building Muon over the parameters each rank owns failed on rank\(s\) \[.*\]; on rank \d: "
                         "ValueError: Muon only supports 2D parameters", r["muon-1d"]), r["muon-1d"]
+
+
+def test_state_fragments_cut_and_join_by_rows_and_refuse_gaps() -> None:
+    from shardopt.optim import sharded_entries
+    from shardopt.optim.state_transport import assemble, cut_rows, join_rows
+
+    whole = {"exp_avg": torch.arange(12.0).reshape(6, 2), "step": torch.tensor(3.0)}
+    top, bottom = cut_rows(whole, (0, 6), (0, 2)), cut_rows(whole, (0, 6), (2, 6))
+    assert torch.equal(top["exp_avg"], whole["exp_avg"][:2]) and top["step"] is whole["step"]  # 0-dim: shared
+    rows, joined = join_rows([((2, 6), bottom), ((0, 2), top)], 0)
+    assert rows == (0, 6) and torch.equal(joined["exp_avg"], whole["exp_avg"])
+    assert cut_rows(whole, (0, 6), (0, 6)) == whole  # a whole fragment passes unchanged
+    with pytest.raises(ValueError, match=r"state fragments of parameter 0 do not join: rows \(0, 2\) then \(3, 6\)"):
+        join_rows([((0, 2), top), ((3, 6), cut_rows(whole, (0, 6), (3, 6)))], 0)
+    # a rank owning rows 1..5 from blocks 0..2 and 2..6: cut and joined to exactly its rows
+    got = assemble([(0, (0, 2), top), (0, (2, 6), bottom)], {0: (1, 5)})
+    assert torch.equal(got[0]["exp_avg"], whole["exp_avg"][1:5])
+    with pytest.raises(ValueError, match=r"covers rows \(1, 2\), not the rows \(1, 5\)"):
+        assemble([(0, (0, 2), top)], {0: (1, 5)})
+    # sharded checkpoint keys: a gap in the saved fragments is refused before anything is read
+    saved = {"0@0-2.exp_avg": (torch.Size([2, 2]), torch.float32), "0@3-6.exp_avg": (torch.Size([3, 2]), torch.float32)}
+    with pytest.raises(ValueError, match=r"does not cover rows \[2, 3\) that this rank owns.*Nothing was loaded"):
+        sharded_entries.template(saved, {0: (0, 6)}, (6,), {0: torch.device("cpu")})
+    whole_key = {"0.exp_avg": (torch.Size([6, 2]), torch.float32)}  # written before splitting existed
+    assert list(sharded_entries.template(whole_key, {0: (2, 4)}, (6,), {0: torch.device("cpu")})) == ["0.exp_avg"]

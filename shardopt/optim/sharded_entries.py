@@ -58,13 +58,30 @@ def _overlaps(rows: Rows, mine: Rows) -> bool:
 
 def template(saved: Mapping[str, tuple[torch.Size, torch.dtype]], owned: Mapping[int, Rows],
              whole_rows: tuple[int, ...], devices: Mapping[int, torch.device]) -> dict[str, torch.Tensor]:
-    """Empty tensors for the ``saved`` keys whose rows overlap what this rank owns (``owned``)."""
+    """Empty tensors for the ``saved`` keys whose rows overlap what this rank owns (``owned``).
+
+    Raises:
+        ValueError: the saved fragments of a parameter leave some of this rank's rows uncovered.
+    """
     all_rows = {i: (0, r) for i, r in enumerate(whole_rows)}
     out: dict[str, torch.Tensor] = {}
+    covered: dict[int, set[Rows]] = {}
     for key, (shape, dtype) in saved.items():
         parsed = _parse(key, all_rows)
         if parsed is not None and parsed[0] in owned and _overlaps(parsed[1], owned[parsed[0]]):
             out[key] = torch.empty(shape, dtype=dtype, device=devices[parsed[0]])
+            covered.setdefault(parsed[0], set()).add(parsed[1])
+    for index, found in covered.items():  # before anything is read: every owned row must be there
+        start, stop = owned[index]
+        for rows in sorted(found):
+            if rows[0] > start:
+                stop = min(stop, rows[0])  # the first gap
+                break
+            start = max(start, rows[1])
+        if start < stop:
+            raise ValueError(f"the checkpoint's optimizer state for parameter {index} does not cover rows "
+                             f"[{start}, {stop}) that this rank owns (its fragments: {sorted(found)}); it was saved "
+                             "from another model or is incomplete. Nothing was loaded")
     return out
 
 
