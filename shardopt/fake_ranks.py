@@ -24,6 +24,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -247,7 +248,7 @@ class _Built:
 
 
 def _oss(module: nn.Module, mixed: bool, group: comm.ProcessGroup | None, split: bool) -> OSS:
-    extra = {SPLIT_KEYWORD: True} if split else {}
+    extra: dict[str, Any] = {SPLIT_KEYWORD: True} if split else {}
     return OSS(module.parameters(), optim=torch.optim.Adam, group=group,
                master_dtype=torch.float32 if mixed else None, lr=1e-3, **extra)
 
