@@ -30,7 +30,9 @@ from shardopt.optim import OSS
 from shardopt.optim.grad_scaler import ShardedGradScaler
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
-from tests.helpers.hybrid import bytes_by_group, hybrid_reference_backward
+from tests.helpers.hybrid import bytes_by_group, group_then_replicas, hybrid_reference_backward
+from tests.helpers.masters import MasterReference, low_mlp
+from tests.helpers.masters import loss_of as masters_loss
 from tests.helpers.sdp import Branchy, VocabModel, rel_diff, tolerance, vocab_loss
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -113,12 +115,14 @@ def _parity_4(rank: int, world_size: int) -> dict[str, Any]:
     out = {f"{case}/{form}": _train(case, form, 2, rank, world_size)
            for case in ("mlp", "branchy") for form in ("shard_size", "device_mesh", "process_groups")}
     out["vocab_split/shard_size"] = _train("vocab_split", "shard_size", 2, rank, world_size)
+    out["bf16_masters"] = _masters(rank, world_size)
     return out
 
 
 def test_hybrid_zero2_at_2_groups_of_2_equals_the_group_then_replica_sum_bit_for_bit_and_ddp_within_bounds() -> None:
     results = run_ranks(_parity_4, 4, timeout_s=120)
     print("\nhybrid ZeRO-2, 2 groups of 2, Adam, 5 steps (clip on odd steps): max over ranks")
+    print(f"  bf16 parameters with fp32 masters: vs reference {max(r.pop('bf16_masters') for r in results)}")
     for key in results[0]:
         rows = [r[key] for r in results]
         print(f"  {key:28s} vs reference {max(r['vs_reference'] for r in rows)}  vs DDP (relative) "
@@ -228,3 +232,140 @@ def test_hybrid_accumulation_modes_equal_ddp_accumulating_the_same_way_and_an_in
         for key in ("scaler", "scaler_deferred"):
             assert r[key]["skipped"] == [False, True, False], (key, rank, r[key])
             assert r[key]["scales"] == [256.0, 128.0, 128.0], (key, rank, r[key])
+
+
+def _masters(rank: int, world_size: int) -> float:
+    """bf16 parameters with fp32 masters under 2 groups of 2 against a one-process reference
+    that widens each bf16 gradient, scales it by 1/N, sums group then replicas in fp32 and
+    steps fp32 masters: the largest |parameter difference|."""
+    model = low_mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, shard_size=2, master_dtype=torch.float32, **ADAM)
+    sdp = ShardedDataParallel(model, opt)
+    ref = MasterReference(low_mlp(), torch.optim.Adam, **ADAM)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        masters_loss(sdp, rank, step).backward()
+        opt.step()
+        per_rank = [[g.float() for g in ref.local_grads(lambda m, r=r: masters_loss(m, r, step))]  # type: ignore[misc]
+                    for r in range(world_size)]
+        grads = group_then_replicas(per_rank, 2)
+        ref.add_master_grads([g for g in grads if g is not None])
+        ref.step()
+    sdp.close()
+    return max_abs_diff(model.parameters(), ref.model.parameters())
+
+
+def _bad_inputs(rank: int, world_size: int) -> dict[str, str]:
+    """Each bad input's error on this rank (``"no error"`` if none)."""
+    def attempt(build: Callable[[], object]) -> str:
+        try:
+            built = build()
+        except (ValueError, RuntimeError, TypeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if isinstance(built, ShardedDataParallel):
+            built.close()
+        return "no error"
+
+    def flat_sdp_no_replicate_sync() -> None:
+        model = seeded_mlp()
+        sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+        try:
+            with sdp.no_replicate_sync():
+                pass
+        finally:
+            sdp.close()
+
+    def two_layouts() -> ShardedDataParallel:
+        model = seeded_mlp()
+        params = list(model.parameters())
+        return ShardedDataParallel(model, [OSS(params[:2], lr=0.1, shard_size=2), OSS(params[2:], lr=0.1)])
+
+    return {
+        "indivisible": attempt(lambda: OSS(seeded_mlp().parameters(), lr=0.1, shard_size=3)),
+        "ranks_disagree": attempt(lambda: OSS(seeded_mlp().parameters(), lr=0.1, shard_size=2 if rank < 2 else 4)),
+        "one_rank_hybrid": attempt(lambda: OSS(seeded_mlp().parameters(), lr=0.1, shard_size=2 if rank == 0 else None)),
+        "sdp_other_layout": attempt(lambda: (m := seeded_mlp(), ShardedDataParallel(
+            m, OSS(m.parameters(), lr=0.1, shard_size=2), shard_size=4))[1]),
+        "sdp_layout_flat_oss": attempt(lambda: (m := seeded_mlp(), ShardedDataParallel(
+            m, OSS(m.parameters(), lr=0.1), shard_size=2))[1]),
+        "two_layouts": attempt(two_layouts),
+        "no_replicate_sync_flat": attempt(flat_sdp_no_replicate_sync),
+        "same_layout_given_twice": attempt(lambda: (m := seeded_mlp(), ShardedDataParallel(
+            m, OSS(m.parameters(), lr=0.1, shard_size=2), shard_size=2))[1]),
+    }
+
+
+EXPECTED_ERRORS = {
+    "indivisible": "ValueError: shard_size must divide the world size 4, got shard_size=3; use one of [1, 2, 4]",
+    "ranks_disagree": "ValueError: the hybrid layout was built differently on different ranks: shard_size is 2 on "
+                      "rank 0 but 4 on rank 2",
+    "one_rank_hybrid": "ValueError: the hybrid layout was built differently on different ranks: given is "
+                       "('shard_size',) on rank 0 but () on rank 1",
+    "sdp_other_layout": "ShardedDataParallel was given shard_size naming [[0, 1, 2, 3]], but its OSS has shard "
+                        "groups [[0, 1], [2, 3]]",
+    "sdp_layout_flat_oss": "ShardedDataParallel was given shard_size naming [[0, 1], [2, 3]], but its OSS is flat",
+    "two_layouts": "ValueError: the sharded optimizers have different hybrid layouts",
+    "no_replicate_sync_flat": "no_replicate_sync() needs a hybrid layout, but this ShardedDataParallel is flat",
+    "same_layout_given_twice": "no error",
+}
+
+
+def test_bad_hybrid_inputs_raise_a_clear_error_on_every_rank_and_nothing_hangs() -> None:
+    results = run_ranks(_bad_inputs, 4, timeout_s=90)
+    for case, expected in EXPECTED_ERRORS.items():
+        for rank, r in enumerate(results):
+            assert expected in r[case], (case, rank, r[case])
+
+
+def _model_of_equal_layers() -> nn.Module:
+    """8 fp32 128x128 matrices (64 KiB each): owned evenly at 2 and 4 ranks."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(8)])
+
+
+def _bytes(rank: int, world_size: int) -> dict[str, Any]:
+    """Bytes this rank sends per process group: one flat ZeRO-2 step, one hybrid step, and
+    windows of 3 micro-steps in the default and the deferred mode."""
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {}
+    for name, kwargs in (("flat", {}), ("hybrid", {"shard_size": 2})):
+        model = _model_of_equal_layers()
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, split_large_params=False, **kwargs)
+        sdp = ShardedDataParallel(model, opt)
+        with bytes_by_group() as sent:
+            sdp(x).pow(2).mean().backward()
+            opt.step()
+        out[name] = dict(sent)
+        if opt.layout is not None:
+            out["replicate_ranks"], out["shard_ranks"] = opt.layout.replicate_ranks, opt.layout.shard_ranks
+            for mode in ("default", "deferred"):
+                per_micro = []
+                for micro in range(3):
+                    deferred = mode == "deferred" and micro < 2
+                    with bytes_by_group() as sent, sdp.no_replicate_sync() if deferred else nullcontext():
+                        sdp(x).pow(2).mean().backward()
+                    per_micro.append(sent.get(opt.layout.replicate_ranks, 0.0))
+                opt.zero_grad()
+                out[mode] = per_micro
+        sdp.close()
+    return out
+
+
+def test_replicate_bytes_per_step_are_at_most_1_over_s_of_flat_zero2s_and_deferred_windows_send_them_once() -> None:
+    results = run_ranks(_bytes, 4, timeout_s=90)
+    grads = 8 * 128 * 128 * 4
+    print(f"\nbytes sent per rank per step (model gradient {grads} B), by process group:")
+    for rank, r in enumerate(results):
+        flat_total = sum(r["flat"].values())
+        replicate = r["hybrid"][r["replicate_ranks"]]
+        print(f"  rank {rank}: flat ZeRO-2 {flat_total:.0f} (world); hybrid: shard group {list(r['shard_ranks'])} "
+              f"{r['hybrid'][r['shard_ranks']]:.0f}, replicate group {list(r['replicate_ranks'])} {replicate:.0f} "
+              f"({replicate / flat_total:.3f} of flat); per micro-step replicate: default {r['default']}, "
+              f"deferred {r['deferred']}")
+        assert set(r["hybrid"]) == {r["shard_ranks"], r["replicate_ranks"]}, r["hybrid"]
+        assert replicate <= flat_total / 2, (rank, replicate, flat_total)  # S = 2
+        # The replicate stage all-reduces the owner's half of the gradient (and one flag per
+        # owned matrix): a 2-rank ring sends it once.
+        assert grads / 2 <= replicate <= grads / 2 + 64, (rank, replicate)
+        assert r["default"] == [replicate] * 3, (rank, r["default"])
+        assert r["deferred"] == [0.0, 0.0, replicate], (rank, r["deferred"])
