@@ -75,8 +75,7 @@ class OSS(Optimizer):
     Args:
         params: parameters or param-group dicts, as for any ``torch.optim`` optimizer.
         optim: the optimizer *class* to shard (default ``torch.optim.SGD``).
-        group: the process group (default: the world), or a hybrid layout's pair
-            ``(shard_group, replicate_group)`` (``docs/hybrid.md``).
+        group: the process group (default: the world), or a hybrid ``(shard_group, replicate_group)``.
         broadcast_buffer_size: deprecated in fairscale; accepted and ignored (warns once).
         broadcast_fp16: send fp32 parameters as fp16 in the post-step sync (half the bytes;
             non-owners get values rounded to fp16, and values beyond fp16's range overflow).
@@ -87,18 +86,16 @@ class OSS(Optimizer):
             optimizer over the masters and round them into the parameters after each step.
             Parameters already in ``master_dtype`` are stepped as themselves; if all are,
             nothing changes (warns once). ``None`` (default): no masters.
-        device_mesh: a hybrid layout as a 2-D mesh with dimensions ``("replicate", "shard")``.
-        shard_size: a hybrid layout as S, ranks per shard group (consecutive ranks). With any
-            layout, ownership is planned over the shard group (:attr:`layout`).
+        device_mesh, shard_size: a hybrid layout as a 2-D ``("replicate", "shard")`` mesh or as S,
+            ranks per shard group; ownership is then planned over the shard group (:attr:`layout`).
         **defaults: keyword arguments of ``optim`` (``lr``, ``momentum``, ...).
 
     Raises:
         TypeError: ``optim`` is not an optimizer class (e.g. an instance), or
             ``master_dtype`` is not a ``torch.dtype``.
         RuntimeError: torch.distributed is not initialised.
-        ValueError: the ranks passed different parameter lists, layouts or ``master_dtype``, a
-            bad layout (``shardopt.hybrid.resolve_layout``), a
-            trainable parameter is not contiguous, or ``master_dtype`` is not floating or
+        ValueError: the ranks passed different parameter lists, layouts or ``master_dtype``, a bad
+            layout (``resolve_layout``), a trainable parameter is not contiguous, or ``master_dtype`` is not floating or
             cannot hold a parameter (narrower, or another format of the same width).
     """
 
@@ -181,8 +178,7 @@ class OSS(Optimizer):
 
     @property
     def layout(self) -> HybridLayout | None:
-        """The hybrid layout (``None``: flat over :attr:`group`); with one, :attr:`group` is its
-        shard group, which ownership is planned over and parameters are gathered in."""
+        """The hybrid layout (``None``: flat); :attr:`group` is then its shard group (docs/hybrid.md)."""
         return self._layout
 
     @property
