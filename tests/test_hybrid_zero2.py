@@ -246,7 +246,7 @@ def _masters(rank: int, world_size: int) -> float:
         opt.zero_grad(set_to_none=step % 2 == 0)
         masters_loss(sdp, rank, step).backward()
         opt.step()
-        per_rank = [[g.float() for g in ref.local_grads(lambda m, r=r: masters_loss(m, r, step))]  # type: ignore[misc]
+        per_rank = [[g.float() for g in ref.local_grads(functools.partial(masters_loss, rank=r, step=step))]
                     for r in range(world_size)]
         grads = group_then_replicas(per_rank, 2)
         ref.add_master_grads([g for g in grads if g is not None])
