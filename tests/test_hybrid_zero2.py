@@ -280,7 +280,20 @@ def _bad_inputs(rank: int, world_size: int) -> dict[str, str]:
         params = list(model.parameters())
         return ShardedDataParallel(model, [OSS(params[:2], lr=0.1, shard_size=2), OSS(params[2:], lr=0.1)])
 
+    def freeze_inside_a_deferred_window() -> None:
+        model = seeded_mlp()
+        sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1, shard_size=2),
+                                  warn_on_trainable_params_changed=False)
+        try:
+            with sdp.no_replicate_sync():
+                _mlp_loss(sdp, rank, 0).backward()
+            model[0].weight.requires_grad_(False)
+            _mlp_loss(sdp, rank, 1).backward()  # the forward re-plans: refused, nothing lost
+        finally:
+            sdp.close()
+
     return {
+        "freeze_in_window": attempt(freeze_inside_a_deferred_window),
         "indivisible": attempt(lambda: OSS(seeded_mlp().parameters(), lr=0.1, shard_size=3)),
         "ranks_disagree": attempt(lambda: OSS(seeded_mlp().parameters(), lr=0.1, shard_size=2 if rank < 2 else 4)),
         "one_rank_hybrid": attempt(lambda: OSS(seeded_mlp().parameters(), lr=0.1, shard_size=2 if rank == 0 else None)),
@@ -296,6 +309,8 @@ def _bad_inputs(rank: int, world_size: int) -> dict[str, str]:
 
 
 EXPECTED_ERRORS = {
+    "freeze_in_window": "RuntimeError: [rank {rank}] refresh_trainable() (or freezing/unfreezing parameters) inside "
+                        "a no_replicate_sync() window",
     "indivisible": "ValueError: shard_size must divide the world size 4, got shard_size=3; use one of [1, 2, 4]",
     "ranks_disagree": "ValueError: the hybrid layout was built differently on different ranks: shard_size is 2 on "
                       "rank 0 but 4 on rank 2",
@@ -314,7 +329,7 @@ def test_bad_hybrid_inputs_raise_a_clear_error_on_every_rank_and_nothing_hangs()
     results = run_ranks(_bad_inputs, 4, timeout_s=90)
     for case, expected in EXPECTED_ERRORS.items():
         for rank, r in enumerate(results):
-            assert expected in r[case], (case, rank, r[case])
+            assert expected.format(rank=rank % 2) in r[case], (case, rank, r[case])  # [rank r]: r in the shard group
 
 
 def _model_of_equal_layers() -> nn.Module:

@@ -83,12 +83,10 @@ class Replicas:
 
     Attributes:
         group: this rank's replicate group.
-        num_replicas: R.
         world_size: N = S * R, the ranks every gradient is averaged over.
     """
 
     group: comm.ProcessGroup
-    num_replicas: int
     world_size: int
 
 

@@ -224,8 +224,7 @@ class ShardedDataParallel(nn.Module):
             self._queue = PassThroughQueue(trainable, self._wire_dtypes, self._grad_dtypes, self._grads.receive)
         else:
             device = trainable[0].device if trainable else torch.device("cpu")
-            replicas = None if self.layout is None else Replicas(
-                self.layout.replicate_group, self.layout.num_replicas, self.layout.world_size)
+            replicas = None if self.layout is None else Replicas(self.layout.replicate_group, self.layout.world_size)
             self._queue = ReductionQueue(specs, self.process_group, self.rank, self.world_size, self._grads.receive,
                                          streams_for(device, self.process_group), replicas)
         # The engine holds AccumulateGrad nodes weakly: keep them, or the hooks die with them.
@@ -248,6 +247,13 @@ class ShardedDataParallel(nn.Module):
             raise RuntimeError(
                 f"[rank {self.rank}] refresh_trainable() was called while gradients are being reduced; "
                 "call it between iterations (after optimizer.step())"
+            )
+        if isinstance(self._queue, ReductionQueue) and self._queue.has_deferred:
+            raise RuntimeError(
+                f"[rank {self.rank}] refresh_trainable() (or freezing/unfreezing parameters) inside a "
+                "no_replicate_sync() window: re-planning would drop the in-group sums waiting for the all-reduce "
+                "across replicas; finish the window first (a backward outside no_replicate_sync() or reduce()), "
+                "then change trainability between iterations"
             )
         for opt in self.sharded_optimizers:
             opt.refresh_trainable()
@@ -291,7 +297,8 @@ class ShardedDataParallel(nn.Module):
 
         Afterwards ``self.module`` is a plain module again, whose gradients stay local as
         without the wrapper; an owner's reduced gradient set aside during a ``no_sync``
-        backward is added back into its ``.grad``. Idempotent and local (no collective).
+        backward is added back into its ``.grad``; the in-group sums of an unfinished
+        ``no_replicate_sync`` window are dropped (they were never reduced across replicas). Idempotent and local (no collective).
         The wrapper is also a context manager that closes on exit.
 
         Raises:
@@ -306,6 +313,8 @@ class ShardedDataParallel(nn.Module):
         self._remove_hooks()
         self._accumulators = []
         self._grads.restore()
+        if isinstance(self._queue, ReductionQueue):
+            self._queue.drop_deferred()
         self._closed = True
 
     def __enter__(self) -> ShardedDataParallel:  # noqa: PYI034 - typing.Self needs Python 3.11
