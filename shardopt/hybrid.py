@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardopt import agreement, comm
 
 __all__ = ["MESH_DIM_NAMES", "HybridLayout", "LayoutSource", "Tiling", "check_tiling", "plan_tiling",
-           "resolve_layout"]
+           "resolve_group", "resolve_layout"]
 
 MESH_DIM_NAMES = ("replicate", "shard")
 """The dimension names a hybrid ``device_mesh`` must have, outer (across groups) first."""
@@ -368,3 +368,36 @@ def resolve_layout(
                              f"{comm.group_rank(replicate)}) differ from the tiling's {layout}")
     return layout
 
+
+
+def resolve_group(group: Any, device_mesh: DeviceMesh | None, shard_size: int | None
+                  ) -> tuple[comm.ProcessGroup | None, HybridLayout | None]:
+    """The group a sharded wrapper plans over, and its hybrid layout (``None``: flat).
+
+    How ``OSS`` and ``ShardedDataParallel`` read their arguments: a single process group (or
+    ``None``, the world) with neither ``device_mesh`` nor ``shard_size`` is fairscale's flat
+    ``group``; a pair ``(shard_group, replicate_group)`` in its place (as
+    ``FullyShardedDataParallel(process_group=...)`` takes it for ``HYBRID_SHARD``), a
+    ``device_mesh`` or a ``shard_size`` is a hybrid layout, resolved with
+    :func:`resolve_layout`, and the wrapper plans over its shard group. The flat case first
+    compares the (empty) layout request over ``group``, the same check :func:`resolve_layout`
+    makes over the world: a rank given a layout next to ranks given none then fails there on
+    every rank with the same message, instead of meeting another collective.
+
+    Args:
+        group: a process group, ``None`` (the world), or a ``(shard_group, replicate_group)`` pair.
+        device_mesh: a 2-D mesh with dimensions ``("replicate", "shard")``, or ``None``.
+        shard_size: S, or ``None``.
+
+    Returns:
+        ``(group, None)`` when flat; ``(layout.shard_group, layout)`` for a hybrid layout.
+
+    Raises:
+        ValueError, TypeError: as :func:`resolve_layout` (a single group next to
+            ``device_mesh`` or ``shard_size`` counts as two forms: name the layout one way).
+    """
+    if not isinstance(group, (tuple, list)) and device_mesh is None and shard_size is None:
+        agreement.check_agreement("the hybrid layout", _describe(None, None, None), group, _FIX_AGREE)
+        return group, None
+    layout = resolve_layout(device_mesh=device_mesh, process_groups=group, shard_size=shard_size)
+    return layout.shard_group, layout

@@ -119,6 +119,34 @@ def test_zero2_backward_and_step_read_nothing_from_the_device_when_every_paramet
                 assert (grad is None) if world_size == 1 else (grad is not None and grad > 0), (rank, grad)
 
 
+def _hybrid_audit(rank: int, world_size: int) -> dict[str, Any]:
+    """Hybrid ZeRO-2 (2 groups of 2): a deferred micro-step, a closing one and the step."""
+    model = seeded_mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-2, shard_size=2)
+    sdp = ShardedDataParallel(model, opt)
+    out: dict[str, Any] = {"splits": len(opt.plan.split_params)}
+    for step in range(3):
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        with HostReadAudit() as audit:
+            with sdp.no_replicate_sync():
+                _loss(sdp, "fp32", rank, 10 + step).backward()
+            _loss(sdp, "fp32", rank, step).backward()
+        out[f"backward{step}"] = audit.hits
+        with HostReadAudit() as audit:
+            opt.step()
+        out[f"step{step}"] = audit.hits
+    sdp.close()
+    return out
+
+
+@pytest.mark.distributed
+def test_hybrid_zero2_backward_and_step_read_nothing_from_the_device_when_every_parameter_is_used() -> None:
+    for rank, out in enumerate(run_ranks(_hybrid_audit, 4, timeout_s=120)):
+        assert out["splits"] > 0, out  # Adam splits the largest layer inside the shard group
+        for key in [k for k in out if k != "splits"]:
+            assert out[key] == [], (rank, key, out[key])
+
+
 # The per-step modules scanned for host reads; a documented one carries "host-read:" and a reason.
 SCANNED = ("shardopt/nn/data_parallel", "shardopt/optim", "shardopt/comm.py", "shardopt/clipping.py",
            "shardopt/placeholders.py")

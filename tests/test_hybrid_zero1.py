@@ -75,7 +75,8 @@ def _train(layout: HybridLayout, rank: int) -> dict[str, Any]:
                for where, group in (("hybrid", layout.shard_group), ("flat", None))}
     return {"param_diff": max_abs_diff(hybrid.parameters(), ref.parameters()), "owned": owned,
             "norm_diff": norm_diff, "scaled": scaled,
-            "plan_size": opt.world_size, "recipient_state_diff": on_recipient, "all_ranks_state_diff": everywhere,
+            "plan_size": opt.world_size, "num_params": len(opt.params),
+            "recipient_state_diff": on_recipient, "all_ranks_state_diff": everywhere,
             "resumed_diff": resumed}
 
 

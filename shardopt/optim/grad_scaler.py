@@ -87,7 +87,7 @@ class ShardedGradScaler(GradScaler):
         enabled: ``False`` makes every method a pass-through, as in torch.
         process_group: the group to agree over (default: the group of the ``OSS`` being
             unscaled, so ranks training in a subgroup agree with their own group only; the
-            world for any other optimizer).
+            world for an ``OSS`` with a hybrid layout and for any other optimizer).
         device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else CPU. Must be
             the device type of the gradients.
 
@@ -143,7 +143,10 @@ class ShardedGradScaler(GradScaler):
             found = torch.maximum(found, flag.to(found.device))
         group = self.process_group
         if group is None and isinstance(optimizer, OSS):
-            group = optimizer.group
+            # Under a hybrid layout the whole world: an inf on any rank of any replica skips
+            # the step everywhere, even where a replica's gradients were not yet all-reduced
+            # (Note [hybrid reduction] in shardopt.nn.data_parallel.replicas).
+            group = None if optimizer.layout is not None else optimizer.group
         comm.all_reduce(found, group, op="max", label="shardopt::scaler::found_inf").wait()
         state["found_inf_per_device"] = {found.device: found}
 

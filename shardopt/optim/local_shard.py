@@ -22,12 +22,21 @@ from shardopt.optim.state_transport import Fragments, StateByIndex, state_to_par
 from shardopt.partition import SplitPlan
 from shardopt.state_checks import MASTER_KEY
 
-__all__ = ["LocalShard"]
+__all__ = ["LocalShard", "group_ranges", "hyper"]
 
 
 def hyper(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's hyperparameters (everything but ``params``)."""
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def group_ranges(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], range]]:
+    """Each param group with the indices of its parameters in ``OSS.params`` (groups in order)."""
+    ranges, start = [], 0
+    for g in groups:
+        ranges.append((g, range(start, start + len(g["params"]))))
+        start += len(g["params"])
+    return ranges
 
 
 class LocalShard:

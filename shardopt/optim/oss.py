@@ -23,16 +23,18 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import SGD, Optimizer
 
 from shardopt import clipping, comm
 from shardopt.agreement import check_agreement, check_same_parameters
 from shardopt.clipping import ClipArgs
+from shardopt.hybrid import HybridLayout, resolve_group
 from shardopt.optim import sharded_entries
 from shardopt.optim.elementwise import resolve_split, warn_if_unbalanced
 from shardopt.optim.grad_norm import clip_for_wrapper, clip_params
 from shardopt.optim.masters import MasterWeights, check_master_dtype, needs_master
-from shardopt.optim.local_shard import LocalShard, hyper
+from shardopt.optim.local_shard import LocalShard, group_ranges, hyper
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
 from shardopt.optim.state_transport import (Fragments, Snapshot, StateByIndex, collect, cut_rows, migrate,
                                             refuse_stale_masters, state_to_param, to_cpu)
@@ -49,18 +51,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _group_ranges(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], range]]:
-    """Each param group with the indices of its parameters in :attr:`OSS.params` (groups in order)."""
-    ranges, start = [], 0
-    for g in groups:
-        ranges.append((g, range(start, start + len(g["params"]))))
-        start += len(g["params"])
-    return ranges
-
-
-_hyper = hyper
 
 
 class OSS(Optimizer):
@@ -85,7 +75,7 @@ class OSS(Optimizer):
     Args:
         params: parameters or param-group dicts, as for any ``torch.optim`` optimizer.
         optim: the optimizer *class* to shard (default ``torch.optim.SGD``).
-        group: the process group (default: the world).
+        group: the process group (default: the world), or a hybrid ``(shard_group, replicate_group)``.
         broadcast_buffer_size: deprecated in fairscale; accepted and ignored (warns once).
         broadcast_fp16: send fp32 parameters as fp16 in the post-step sync (half the bytes;
             non-owners get values rounded to fp16, and values beyond fp16's range overflow).
@@ -96,14 +86,16 @@ class OSS(Optimizer):
             optimizer over the masters and round them into the parameters after each step.
             Parameters already in ``master_dtype`` are stepped as themselves; if all are,
             nothing changes (warns once). ``None`` (default): no masters.
+        device_mesh, shard_size: a hybrid layout as a 2-D ``("replicate", "shard")`` mesh or as S,
+            ranks per shard group; ownership is then planned over the shard group (:attr:`layout`).
         **defaults: keyword arguments of ``optim`` (``lr``, ``momentum``, ...).
 
     Raises:
         TypeError: ``optim`` is not an optimizer class (e.g. an instance), or
             ``master_dtype`` is not a ``torch.dtype``.
         RuntimeError: torch.distributed is not initialised.
-        ValueError: the ranks passed different parameter lists or ``master_dtype``, a
-            trainable parameter is not contiguous, or ``master_dtype`` is not floating or
+        ValueError: the ranks passed different parameter lists, layouts or ``master_dtype``, a bad
+            layout (``resolve_layout``), a trainable parameter is not contiguous, or ``master_dtype`` is not floating or
             cannot hold a parameter (narrower, or another format of the same width).
     """
 
@@ -111,12 +103,15 @@ class OSS(Optimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         optim: type[Optimizer] = SGD,
-        group: comm.ProcessGroup | None = None,
+        group: comm.ProcessGroup | tuple[comm.ProcessGroup, comm.ProcessGroup] | None = None,
         broadcast_buffer_size: int = -1,
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
         master_dtype: torch.dtype | None = None,
         split_large_params: bool | None = None,
+        *,
+        device_mesh: DeviceMesh | None = None,
+        shard_size: int | None = None,
         **defaults: Any,
     ) -> None:
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
@@ -140,9 +135,10 @@ class OSS(Optimizer):
         self._building = False
         self._optim_cls = optim
         self._optim_defaults = defaults
-        self.group = group
-        self.world_size = comm.group_size(group)
-        self.rank = comm.group_rank(group)
+        self.group, self._layout = resolve_group(group, device_mesh, shard_size)  # docs/hybrid.md
+        self._checked_over = None if self._layout else self.group  # a layout: every rank of the world agrees
+        self.world_size = comm.group_size(self.group)
+        self.rank = comm.group_rank(self.group)
         self.broadcast_fp16 = broadcast_fp16
         self._consolidated: Snapshot | None = None
         self._masters = MasterWeights(master_dtype)
@@ -152,8 +148,9 @@ class OSS(Optimizer):
             raise ValueError("OSS got meta-device parameters: call module.to_empty(device=...) and re-initialise first")
         self._check_same_params_on_all_ranks()
         check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__),
-                                ("master_dtype", str(master_dtype)), ("split_large_params", str(self.split_large_params))],
-                        group,
+                                ("master_dtype", str(master_dtype)), ("split_large_params", str(self.split_large_params)),
+                                ("layout", self._layout.fingerprint() if self._layout else None)],
+                        self._checked_over,
                         "pass the same OSS arguments on every rank")  # Note [agree before the first collective] in agreement
         if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper] in clipping
             clipping.register_sharded(self, self.params, "OSS.clip_grad_norm", clip_for_wrapper)  # grads go to masters
@@ -178,6 +175,11 @@ class OSS(Optimizer):
         parameter split across ranks is listed with the owner of its first rows (:attr:`plan`
         has every block)."""
         return self._partition
+
+    @property
+    def layout(self) -> HybridLayout | None:
+        """The hybrid layout (``None``: flat); :attr:`group` is then its shard group (docs/hybrid.md)."""
+        return self._layout
 
     @property
     def plan(self) -> SplitPlan:
@@ -240,10 +242,10 @@ class OSS(Optimizer):
         sizes = self._plan.sizes
         owned = [{b.param for b in self._plan.blocks_of_rank(r)} for r in range(self.world_size)]
         result: list[list[dict[str, Any]]] = [[] for _ in range(self.world_size)]
-        for g, indices in _group_ranges(self.param_groups):
+        for g, indices in group_ranges(self.param_groups):
             for r in range(self.world_size):
                 mine = [p for i, p in zip(indices, g["params"], strict=True) if i in owned[r] and sizes[i] > 0]
-                result[r].append({**_hyper(g), "params": mine})
+                result[r].append({**hyper(g), "params": mine})
         return result
 
     def refresh_trainable(self) -> None:
@@ -305,7 +307,7 @@ class OSS(Optimizer):
         old_state = self._migrate_state(fragments) if migrate else {}
         self._index_of = {p: i for i, p in enumerate(params)}
         # See Note [shard optimizer rebuild].
-        self.optim: Optimizer = self._shard.build(params, _group_ranges(self.param_groups), self._optim_cls,
+        self.optim: Optimizer = self._shard.build(params, group_ranges(self.param_groups), self._optim_cls,
                                                   self._optim_defaults, old_state, self.group)
         self.state = self.optim.state  # type: ignore[assignment]
         self._pull_hyperparams()
@@ -326,19 +328,19 @@ class OSS(Optimizer):
 
     def _check_same_params_on_all_ranks(self) -> None:
         """Compare a fingerprint of the parameter list across ranks; name the first mismatch."""
-        check_same_parameters("OSS", self.param_groups, self.group)
+        check_same_parameters("OSS", self.param_groups, self._checked_over)
 
     # ------------------------------------------------------------------ step
 
     def _push_hyperparams(self) -> None:
         """Copy the global groups' hyperparameters (schedulers, user edits) to the shard."""
         for group, shard_group in zip(self.param_groups, self.optim.param_groups, strict=True):
-            shard_group.update(_hyper(group))
+            shard_group.update(hyper(group))
 
     def _pull_hyperparams(self) -> None:
         """Copy the shard groups' hyperparameters back to the global view."""
         for group, shard_group in zip(self.param_groups, self.optim.param_groups, strict=True):
-            group.update(_hyper(shard_group))
+            group.update(hyper(shard_group))
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then gather every rank's updated parameters. Call on every rank.
@@ -485,7 +487,7 @@ class OSS(Optimizer):
             )
         if self.master_dtype is not None:
             refuse_stale_masters(self._consolidated, self.params, self.rank)
-        groups = [{**_hyper(g), "params": list(indices)} for g, indices in _group_ranges(self.param_groups)]
+        groups = [{**hyper(g), "params": list(indices)} for g, indices in group_ranges(self.param_groups)]
         return {"state": self._consolidated.state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -548,9 +550,9 @@ class OSS(Optimizer):
         """Take the saved hyperparameters of every group and the state of this rank's rows
         (``state``: by index, already cut to the rows this rank owns, masters included)."""
         for g, saved in zip(self.param_groups, groups, strict=False):
-            g.update(_hyper(saved))
+            g.update(hyper(saved))
         self._warn_ignored_masters([i for i, s in state.items() if MASTER_KEY in s])
-        missing = self._shard.install(self.params, state, _group_ranges(self.param_groups))
+        missing = self._shard.install(self.params, state, group_ranges(self.param_groups))
         if missing:
             _warn_once("masters-missing", f"state_dict has no master weights for {len(missing)} parameter(s) this "
                        f"rank steps in {self.master_dtype} (first: {missing[0]}), as when it was saved without "

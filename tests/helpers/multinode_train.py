@@ -7,13 +7,16 @@ rank, and reports its node (``GROUP_RANK``, ``LOCAL_RANK``, its agent's pid) and
 parameter differences of every mode. Rank 0 gathers the reports and writes the verdict as JSON to ``--out``:
 ``{"ok": bool, "problems": [...], "reports": [...], "steps": n}``.
 
-Modes (add the hybrid ZeRO-2 one here when it exists):
+Modes:
 
 * ``hybrid_zero1``: DDP over the world + OSS planned over the shard group (exact, see
   ``tests/test_hybrid_zero1.py``);
 * ``flat_zero2``: ShardedDataParallel + OSS over the whole world (exact against a one-process
   reference that sums in rank order, as the owners do; within 1e-6 relative of DDP, whose
-  ring sums 4 terms in another order: :data:`BOUNDS`).
+  ring sums 4 terms in another order: :data:`BOUNDS`);
+* ``hybrid_zero2``: ShardedDataParallel + OSS with ``shard_size = LOCAL_WORLD_SIZE``: reduced
+  inside the node, then across the nodes (exact against a one-process reference that sums
+  inside each node in rank order and then adds the two node sums; within 1e-6 relative of DDP).
 
 Usage: ``python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 ... multinode_train.py
 --out verdict.json [--modes hybrid_zero1,flat_zero2] [--steps 5]``
@@ -39,6 +42,7 @@ from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
 from tests.helpers.ddp_arithmetic import reference_backward
+from tests.helpers.hybrid import hybrid_reference_backward
 
 LR = 1e-2
 
@@ -49,10 +53,11 @@ def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
 
 
 def _train_against_references(model: nn.Module, step_of: Callable[[torch.Tensor], None],
-                              zero_grad: Callable[[bool], None], rank: int, steps: int) -> dict[str, float]:
+                              zero_grad: Callable[[bool], None], rank: int, steps: int,
+                              shard_size: int | None = None) -> dict[str, float]:
     """Train ``model`` with ``step_of`` next to DDP + Adam and next to a one-process reference
-    (every rank's gradient times 1/N, summed in rank order, then Adam); the largest
-    |parameter difference| against each."""
+    (every rank's gradient times 1/N, summed in rank order, or with ``shard_size`` inside each
+    shard group and then across groups, then Adam); the largest |parameter difference| against each."""
     world_size = dist.get_world_size()
     ddp_model, single = seeded_mlp(), seeded_mlp()
     ddp_opt, single_opt = (torch.optim.Adam(m.parameters(), lr=LR) for m in (ddp_model, single))
@@ -65,7 +70,10 @@ def _train_against_references(model: nn.Module, step_of: Callable[[torch.Tensor]
         x = rank_batch(rank, step)
         ddp(x).pow(2).mean().backward()
         ddp_opt.step()
-        reference_backward(single, world_size, functools.partial(_loss, step=step))
+        if shard_size is None:
+            reference_backward(single, world_size, functools.partial(_loss, step=step))
+        else:
+            hybrid_reference_backward(single, world_size, shard_size, functools.partial(_loss, step=step))
         single_opt.step()
         step_of(x)
     del ddp  # freed before the process group goes (torch 2.13 + gloo can block otherwise)
@@ -99,9 +107,28 @@ def flat_zero2(layout: HybridLayout, rank: int, steps: int) -> dict[str, float]:
     return _train_against_references(model, step_of, lambda none: opt.zero_grad(set_to_none=none), rank, steps)
 
 
+def hybrid_zero2(layout: HybridLayout, rank: int, steps: int) -> dict[str, float]:
+    model = seeded_mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, shard_size=layout.shard_size, lr=LR)
+    sdp = ShardedDataParallel(model, opt)
+    if opt.layout is None or opt.layout.tiling != layout.tiling:
+        raise AssertionError(f"[rank {rank}] OSS(shard_size=...) built {opt.layout}, expected {layout.tiling}")
+
+    def step_of(x: torch.Tensor) -> None:
+        sdp(x).pow(2).mean().backward()
+        opt.step()
+
+    try:
+        return _train_against_references(model, step_of, lambda none: opt.zero_grad(set_to_none=none), rank, steps,
+                                          shard_size=layout.shard_size)
+    finally:
+        sdp.close()
+
+
 MODES: dict[str, Callable[[HybridLayout, int, int], dict[str, float]]] = {
     "hybrid_zero1": hybrid_zero1,
     "flat_zero2": flat_zero2,
+    "hybrid_zero2": hybrid_zero2,
 }
 
 
@@ -114,6 +141,10 @@ BOUNDS: dict[str, dict[str, float]] = {
     # fp32 terms in another order, a few ulps per step (2.98e-08, 8.3e-08 relative, after 5
     # Adam steps): the relative bound of the ShardedDataParallel tests beyond 2 ranks.
     "flat_zero2": {"vs_reference": 0.0, "vs_ddp_relative": 1e-6},
+    # Inside the node in rank order, then the two node sums (two terms commute): the
+    # group-then-replicas reference's bits (Note [hybrid reduction] in
+    # shardopt/nn/data_parallel/replicas.py); DDP's ring order as for flat_zero2.
+    "hybrid_zero2": {"vs_reference": 0.0, "vs_ddp_relative": 1e-6},
 }
 
 

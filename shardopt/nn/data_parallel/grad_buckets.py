@@ -411,6 +411,14 @@ class GradBucket:
         Returns:
             A :class:`Reduced` for each parameter this rank owns (rows of) in the bucket.
         """
+        total = self.finish_sum(num_ranks, release)
+        return [] if total is None else self.items(total, alone=num_ranks == 1)
+
+    def finish_sum(self, num_ranks: int, release: bool = True) -> torch.Tensor | None:
+        """As :meth:`finish`, but return this rank's part of the bucket summed over the group:
+        its entries' rows then their "used" flags, one tensor in the gradient dtype (``None``
+        when it owns nothing here), for :meth:`items` (Note [hybrid reduction] in ``replicas``
+        all-reduces it across replicas first)."""
         pending, recv = self._pending, self._recv
         assert pending is not None, f"[rank {self._rank}] bucket {self.spec.index} finished without being launched"
         self._pending, self._recv = None, []
@@ -418,8 +426,8 @@ class GradBucket:
         self._to(BucketState.EMPTY)
         total: torch.Tensor | None = None
         try:
-            reduced, total = self._reduced(recv, num_ranks)
-            return reduced
+            total = self._sum(recv, num_ranks)
+            return total
         finally:
             # A piece the sum was made in now holds the owner's gradients and stays.
             self._spent = [piece for piece in recv + (self._send or []) if piece is not total]
@@ -434,21 +442,30 @@ class GradBucket:
             comm.release_storage(piece)
         self._spent = []
 
-    def _reduced(self, recv: list[torch.Tensor], num_ranks: int) -> tuple[list[Reduced], torch.Tensor | None]:
-        """The owner's sum of the received pieces, in rank order, and the tensor holding it.
+    def _sum(self, recv: list[torch.Tensor], num_ranks: int) -> torch.Tensor | None:
+        """The owner's sum of the received pieces, in rank order (``None``: nothing owned here).
 
         Note [sum in place]: the sum is made in rank 0's received piece when it already has the
         gradient dtype (no new buffer, no copy), else in one widened copy of it, the other rows
         added in their wire dtype (a mixed-dtype add computes in the wider dtype, exactly as
         widening each row first did, without a widened copy per row).
         """
-        mine = [k for k, owner in enumerate(self.spec.owners) if owner == self._rank]
-        if not mine:
-            return [], None
+        if self._rank not in self.spec.owners:
+            return None
         grad_dtype = self.spec.grad_dtype
         total = recv[0] if recv[0].dtype == grad_dtype else recv[0].to(grad_dtype)
         for r in range(1, num_ranks):
             total.add_(recv[r])
+        return total
+
+    def items(self, total: torch.Tensor, alone: bool) -> list[Reduced]:
+        """This rank's reduced gradients, as views of ``total`` (from :meth:`finish_sum`).
+
+        Args:
+            total: this rank's part of the bucket, summed over every rank that reduces.
+            alone: no other rank reduces (then unused here is unused everywhere).
+        """
+        mine = [k for k, owner in enumerate(self.spec.owners) if owner == self._rank]
         base = self.spec.offsets[mine[0]]
         out: list[Reduced] = []
         for k in mine:
@@ -461,10 +478,10 @@ class GradBucket:
             else:  # this rank's rows of a split parameter (Note [split parameters in buckets])
                 row_start, row_stop = self.spec.rows[k]
                 grad = grad.view(row_stop - row_start, *param.shape[1:])
-            if k in self._used_here or num_ranks == 1:
-                # Used here, so used somewhere; at one rank, unused here is unused everywhere.
+            if k in self._used_here or alone:
+                # Used here, so used somewhere; alone, unused here is unused everywhere.
                 out.append(Reduced(param, grad if k in self._used_here else None, None))
             else:
                 flag = self.spec.flag_offsets[k] - base
                 out.append(Reduced(param, grad, total[flag : flag + 1]))
-        return out, total
+        return out

@@ -23,6 +23,7 @@ from torch import nn
 
 from shardopt import comm
 from shardopt.nn.data_parallel.grad_buckets import BucketSpec, GradBucket, Reduced
+from shardopt.nn.data_parallel.replicas import DeferredSums, ReplicaReduction, Replicas
 from shardopt.nn.data_parallel.streams import HostStreams, StreamOps
 
 __all__ = ["MAX_BYTES_IN_FLIGHT", "PassThroughQueue", "Receiver", "ReductionQueue"]
@@ -63,11 +64,17 @@ class ReductionQueue:
         receive: where each reduced gradient this rank owns goes.
         streams: the stream operations (Note [reductions on a side stream] in ``streams``;
             default none: host order).
+        replicas: under a hybrid layout, the replicate stage (Note [hybrid reduction] in
+            ``replicas``); ``group`` is then the shard group.
     """
 
     def __init__(self, specs: Sequence[BucketSpec], group: comm.ProcessGroup | None, rank: int, world_size: int,
-                 receive: Receiver, streams: StreamOps | None = None) -> None:
-        self.buckets = [GradBucket(spec, rank, 1.0 / world_size) for spec in specs]
+                 receive: Receiver, streams: StreamOps | None = None, replicas: Replicas | None = None) -> None:
+        self._replicas = replicas
+        self._alone = (replicas.world_size if replicas else world_size) == 1
+        # Every gradient is scaled by 1/N of the whole world, N = S * R (Note [hybrid reduction]).
+        self.buckets = [GradBucket(spec, rank, 1.0 / (replicas.world_size if replicas else world_size))
+                        for spec in specs]
         """Every bucket, in launch order."""
         self._bucket_of: dict[nn.Parameter, GradBucket] = {p: b for b in self.buckets for p in b.spec.params}
         self._group = group
@@ -82,6 +89,10 @@ class ReductionQueue:
         self._main: object = None  # the compute stream of the current iteration
         self._unjoined: list[GradBucket] = []  # summed on the side stream, pieces kept
         self._last_done: object = None
+        self.replicate = True
+        """Whether the buckets finished now go across replicas (False: ``no_replicate_sync``)."""
+        self._deferred = DeferredSums()
+        self._replicating: deque[ReplicaReduction] = deque()
 
     @property
     def busy(self) -> bool:
@@ -117,9 +128,32 @@ class ReductionQueue:
             self._launch(bucket)
         while self._in_flight:
             self._finish(self._in_flight.popleft(), retire=False)
+        self._finish_replicas()
         self._join()
         self._decide()
         self.reset()
+
+    @property
+    def has_deferred(self) -> bool:
+        """Whether in-group sums of a ``no_replicate_sync`` window wait for the replicate stage."""
+        return bool(self._deferred)
+
+    def reduce_deferred(self) -> None:
+        """All-reduce the held in-group sums across replicas and hand them over (``reduce()``
+        after a window run wholly inside ``no_replicate_sync``; Note [hybrid reduction])."""
+        assert self._replicas is not None
+        for bucket in self.buckets:
+            held = self._deferred.take(bucket.spec.index)
+            if held is not None:
+                self._replicate_part(bucket, held)
+        self._finish_replicas()
+        self._join()
+        self._decide()
+        self.reset()
+
+    def drop_deferred(self) -> None:
+        """Forget the held in-group sums (``zero_grad``)."""
+        self._deferred.clear()
 
     def reset(self) -> None:
         """Start a new iteration: nothing launched, no callback queued, nothing undecided."""
@@ -147,12 +181,15 @@ class ReductionQueue:
         stream] in ``streams``)."""
         streams = self._streams
         with streams.use(streams.side):
-            reduced = bucket.finish(self._world_size, release=streams.side is None)
-            for item in reduced:
-                if item.used is None:
-                    self._receive(item.param, item.grad, bucket.spec.grad_dtype)
+            total = bucket.finish_sum(self._world_size, release=streams.side is None)
+            if total is not None:  # this rank owns something in the bucket
+                if self._replicas is None:
+                    self._hand_over(bucket, total)
+                elif not self.replicate:
+                    self._deferred.add(bucket.spec.index, total)
                 else:
-                    self._undecided.append((item, bucket.spec.grad_dtype))
+                    held = self._deferred.take(bucket.spec.index)
+                    self._replicate_part(bucket, total if held is None else total.add_(held))
             done = streams.record_event(streams.side)
         self._bytes_in_flight -= bucket.nbytes
         if streams.side is None:
@@ -163,6 +200,34 @@ class ReductionQueue:
         else:
             self._unjoined.append(bucket)
             self._last_done = done
+
+    def _hand_over(self, bucket: GradBucket, total: torch.Tensor) -> None:
+        """Give the owner each gradient of its part ``total``, or keep it for :meth:`_decide`."""
+        for item in bucket.items(total, self._alone):
+            if item.used is None:
+                self._receive(item.param, item.grad, bucket.spec.grad_dtype)
+            else:
+                self._undecided.append((item, bucket.spec.grad_dtype))
+
+    def _replicate_part(self, bucket: GradBucket, total: torch.Tensor) -> None:
+        """Launch the all-reduce of the owner's part across replicas (Note [hybrid reduction])."""
+        assert self._replicas is not None
+        pending = comm.all_reduce(total, self._replicas.group, label=f"shardopt::sdp::replicate::bucket{bucket.spec.index}")
+        self._replicating.append(ReplicaReduction(bucket, total, pending))
+
+    def _finish_replicas(self) -> None:
+        """Wait for the replicate all-reduces in launch order and hand their gradients over."""
+        if not self._replicating:
+            return
+        streams = self._streams
+        with streams.use(streams.side):
+            while self._replicating:
+                record = self._replicating.popleft()
+                record.pending.wait()
+                self._hand_over(record.bucket, record.total)
+            done = streams.record_event(streams.side)
+        if streams.side is not None:
+            streams.wait_event(self._main, done)
 
     def _join(self) -> None:
         """The compute stream waits once for the last reduction; then the kept pieces go."""
@@ -210,6 +275,8 @@ class PassThroughQueue:
 
     buckets: tuple[GradBucket, ...] = ()
     """No buckets at one rank."""
+    replicate = True
+    """No replicas at one rank (the flag :class:`ReductionQueue` reads, kept for one interface)."""
 
     def __init__(self, params: Sequence[nn.Parameter], wire_dtypes: Mapping[torch.dtype, torch.dtype],
                  grad_dtypes: Mapping[torch.dtype, torch.dtype], receive: Receiver) -> None:

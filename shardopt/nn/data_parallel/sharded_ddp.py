@@ -22,14 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardopt import clipping, comm
-from shardopt.agreement import check_agreement
+from shardopt.agreement import check_agreement, raise_if_any_failed
 from shardopt.nn.data_parallel.ddp_habits import refuse_ddp_only
 from shardopt.nn.data_parallel.grad_buckets import GradBucket, plan_buckets
 from shardopt.nn.data_parallel.gradient_checks import check_accumulated, check_grads_are_leaves
 from shardopt.nn.data_parallel.owner_grads import OwnerGrads
 from shardopt.nn.data_parallel.reduction_queue import PassThroughQueue, ReductionQueue
+from shardopt.nn.data_parallel.replicas import Replicas, SyncScope, layout_of, mismatch
 from shardopt.nn.data_parallel.streams import streams_for
 from shardopt.nn.module_checks import refuse_sparse_modules
 from shardopt.optim.grad_norm import clip_for_wrapper
@@ -59,12 +61,19 @@ class ShardedDataParallel(nn.Module):
     each owner receives the averaged gradient of its rows in ``OSS.grad_holder(param).grad``
     (its master's, or a leaf of its rows) and ``param.grad`` stays ``None`` on every rank
     (Note [split parameters in buckets] in ``grad_buckets``).
+    Under a hybrid layout (``OSS(shard_size=...)``, ``device_mesh=`` or a group pair) each
+    bucket is reduced to its owners inside the shard group, then the owner's part is
+    all-reduced across the replicate group; :meth:`no_replicate_sync` defers that second
+    stage to the end of an accumulation window (Note [hybrid reduction] in ``replicas``).
 
     Args:
         module: the model; all its parameters on one device type.
         sharded_optimizer: an ``OSS`` or a list of ``OSS`` over disjoint parameters that
             together cover every trainable parameter of ``module``.
-        process_group: the group to reduce over (default: the optimizers' group).
+        process_group: the group to reduce over (default: the optimizers' group), or a hybrid
+            layout's pair ``(shard_group, replicate_group)``: the layout is the optimizers'
+            (``OSS.layout``; Note [hybrid reduction] in ``replicas``), and a pair,
+            ``device_mesh`` or ``shard_size`` given here is only checked against it.
         broadcast_buffers: copy rank 0's buffers to all ranks at every training forward.
         sync_models_at_startup: copy rank 0's parameters and buffers to all ranks now.
         reduce_buffer_size: gradient elements per bucket; 0 puts every parameter in a
@@ -76,13 +85,16 @@ class ShardedDataParallel(nn.Module):
             overrides ``reduce_fp16``. With master weights, also the dtype the
             low-precision gradients travel in: default the optimizers' ``master_dtype``
             (fp32, exact), ``torch.bfloat16`` for half the bytes.
+        device_mesh: the optimizers' layout as a mesh (checked; see ``process_group``).
+        shard_size: the optimizers' layout as S (checked; see ``process_group``).
 
     Raises:
         TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS, or a trainable
             embedding produces sparse gradients (``sparse=True``).
         ValueError: parameters span device types, optimizers overlap or do not cover the
             module's trainable parameters, an optimizer's group differs from
-            ``process_group``, the optimizers have different ``master_dtype``, a negative
+            ``process_group``, a layout given here differs from the optimizers' (on every rank),
+            the optimizers have different layouts or ``master_dtype``, a negative
             ``reduce_buffer_size``, or a ``reduce_dtype`` that is not a floating dtype.
     """
 
@@ -90,7 +102,7 @@ class ShardedDataParallel(nn.Module):
         self,
         module: nn.Module,
         sharded_optimizer: OSS | list[OSS],
-        process_group: comm.ProcessGroup | None = None,
+        process_group: comm.ProcessGroup | tuple[comm.ProcessGroup, comm.ProcessGroup] | None = None,
         broadcast_buffers: bool = True,
         sync_models_at_startup: bool = True,
         reduce_buffer_size: int = 2**23,
@@ -98,6 +110,9 @@ class ShardedDataParallel(nn.Module):
         reduce_fp16: bool = False,
         warn_on_trainable_params_changed: bool = True,
         reduce_dtype: torch.dtype | None = None,
+        *,
+        device_mesh: DeviceMesh | None = None,
+        shard_size: int | None = None,
     ) -> None:
         super().__init__()
         optimizers = sharded_optimizer if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
@@ -126,7 +141,12 @@ class ShardedDataParallel(nn.Module):
             )
         self.module = module
         self.sharded_optimizers: list[OSS] = list(optimizers)
-        self.process_group = process_group if process_group is not None else optimizers[0].group
+        self.layout = layout_of(self.sharded_optimizers)  # Note [hybrid reduction] in replicas
+        names_layout = isinstance(process_group, (tuple, list)) or device_mesh is not None
+        self.process_group: comm.ProcessGroup | None = optimizers[0].group
+        if not (process_group is None or isinstance(process_group, (tuple, list)) or device_mesh is not None):
+            self.process_group = process_group
+        self._world_group = None if self.layout else self.process_group  # what every rank agrees and syncs over
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
         for opt in optimizers:
@@ -154,7 +174,7 @@ class ShardedDataParallel(nn.Module):
         self._grads = OwnerGrads(self._grad_dtypes, self.rank, self._name_of)
         self._queue: ReductionQueue | PassThroughQueue = ReductionQueue(
             [], self.process_group, self.rank, self.world_size, self._grads.receive)
-        self._should_sync = True
+        self._scope = SyncScope.ALL
         self._hook_handles: list[Any] = []
         self._accumulators: list[Any] = []
         self._closed = False
@@ -164,11 +184,16 @@ class ShardedDataParallel(nn.Module):
             ("reduce dtype", {str(k): str(v) for k, v in self._wire_dtypes.items()}),
             ("master dtype", {str(k): str(v) for k, v in self._grad_dtypes.items()}),
             ("broadcast_buffers", broadcast_buffers), ("sync_models_at_startup", sync_models_at_startup),
+            ("layout", self.layout.fingerprint() if self.layout else None),
+            ("layout arguments", (isinstance(process_group, (tuple, list)), device_mesh is not None, shard_size)),
             ("parameters", [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]),
             ("buffers", [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]),
-        ], self.process_group, "pass the same model and ShardedDataParallel arguments on every rank")
+        ], self._world_group, "pass the same model and ShardedDataParallel arguments on every rank")
+        if names_layout or shard_size is not None:  # every rank got here (agreed above): all raise together
+            wrong = mismatch(self.layout, process_group, device_mesh, shard_size, comm.group_size(None))
+            raise_if_any_failed("ShardedDataParallel", None if wrong is None else ValueError(wrong), self._world_group)
         if sync_models_at_startup:
-            comm.wait_all([comm.broadcast(t.data, 0, self.process_group, label="shardopt::sdp::startup_sync")
+            comm.wait_all([comm.broadcast(t.data, 0, self._world_group, label="shardopt::sdp::startup_sync")
                            for t in list(module.parameters()) + list(module.buffers())])
         self._setup()
         _expose_forward_signature(self)
@@ -195,12 +220,13 @@ class ShardedDataParallel(nn.Module):
                  for p in trainable if len(owners[p]) > 1}
         specs = plan_buckets(trainable, [owners[p][0].owner for p in trainable], self.world_size,
                              self.reduce_buffer_size or _MIN_BUCKET_NUMEL, self._wire_dtypes, self._grad_dtypes, split)
-        if self.world_size == 1:  # Note [one rank passes gradients through] in reduction_queue
+        if self.world_size == 1 and self.layout is None:  # Note [one rank passes gradients through] in reduction_queue
             self._queue = PassThroughQueue(trainable, self._wire_dtypes, self._grad_dtypes, self._grads.receive)
         else:
             device = trainable[0].device if trainable else torch.device("cpu")
+            replicas = None if self.layout is None else Replicas(self.layout.replicate_group, self.layout.world_size)
             self._queue = ReductionQueue(specs, self.process_group, self.rank, self.world_size, self._grads.receive,
-                                         streams_for(device, self.process_group))
+                                         streams_for(device, self.process_group), replicas)
         # The engine holds AccumulateGrad nodes weakly: keep them, or the hooks die with them.
         self._accumulators = [get_gradient_edge(p).node for p in trainable]
         for p, accumulator in zip(trainable, self._accumulators, strict=True):
@@ -221,6 +247,13 @@ class ShardedDataParallel(nn.Module):
             raise RuntimeError(
                 f"[rank {self.rank}] refresh_trainable() was called while gradients are being reduced; "
                 "call it between iterations (after optimizer.step())"
+            )
+        if isinstance(self._queue, ReductionQueue) and self._queue.has_deferred:
+            raise RuntimeError(
+                f"[rank {self.rank}] refresh_trainable() (or freezing/unfreezing parameters) inside a "
+                "no_replicate_sync() window: re-planning would drop the in-group sums waiting for the all-reduce "
+                "across replicas; finish the window first (a backward outside no_replicate_sync() or reduce()), "
+                "then change trainability between iterations"
             )
         for opt in self.sharded_optimizers:
             opt.refresh_trainable()
@@ -264,7 +297,8 @@ class ShardedDataParallel(nn.Module):
 
         Afterwards ``self.module`` is a plain module again, whose gradients stay local as
         without the wrapper; an owner's reduced gradient set aside during a ``no_sync``
-        backward is added back into its ``.grad``. Idempotent and local (no collective).
+        backward is added back into its ``.grad``; the in-group sums of an unfinished
+        ``no_replicate_sync`` window are dropped (they were never reduced across replicas). Idempotent and local (no collective).
         The wrapper is also a context manager that closes on exit.
 
         Raises:
@@ -279,6 +313,8 @@ class ShardedDataParallel(nn.Module):
         self._remove_hooks()
         self._accumulators = []
         self._grads.restore()
+        if isinstance(self._queue, ReductionQueue):
+            self._queue.drop_deferred()
         self._closed = True
 
     def __enter__(self) -> ShardedDataParallel:  # noqa: PYI034 - typing.Self needs Python 3.11
@@ -315,11 +351,11 @@ class ShardedDataParallel(nn.Module):
     def require_backward_grad_sync(self) -> bool:
         """Whether the next backward reduces gradients (False inside :meth:`no_sync`); settable as
         DDP's (Note [DDP attributes on ShardedDataParallel] in ``ddp_habits``)."""
-        return self._should_sync
+        return self._scope is not SyncScope.NONE
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._should_sync = bool(value)
+        self._scope = SyncScope.ALL if value else SyncScope.NONE
 
     def __setattr__(self, name: str, value: Any) -> None:
         refuse_ddp_only(name, setting=True)  # Note [DDP attributes on ShardedDataParallel]
@@ -343,21 +379,44 @@ class ShardedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients locally; the first backward outside the context reduces them."""
-        previous = self._should_sync
-        self._should_sync = False
+        previous = self._scope
+        self._scope = SyncScope.NONE
         try:
             yield
         finally:
-            self._should_sync = previous
+            self._scope = previous
+
+    @contextlib.contextmanager
+    def no_replicate_sync(self) -> Generator[None, None, None]:
+        """Under a hybrid layout: reduce inside the shard group at every backward, but defer
+        the all-reduce across replicas to the first backward outside the context (or
+        :meth:`reduce`), which runs it once over the window's summed in-group gradients (Note
+        [hybrid reduction] in ``replicas``; FSDP2's ``set_requires_all_reduce(False)``).
+
+        Raises:
+            RuntimeError: the wrapper has no hybrid layout (flat: use :meth:`no_sync`).
+        """
+        if self.layout is None:
+            raise RuntimeError(
+                f"[rank {self.rank}] no_replicate_sync() needs a hybrid layout, but this ShardedDataParallel is flat "
+                "(one group, no replicas): use no_sync() to skip the reduction, or build OSS with shard_size=, "
+                "device_mesh= or group=(shard_group, replicate_group)")
+        previous = self._scope
+        self._scope = SyncScope.SHARD_GROUP if previous is SyncScope.ALL else previous
+        try:
+            yield
+        finally:
+            self._scope = previous
 
     # ------------------------------------------------------------------ hooks
 
     def _post_accumulate(self, param: torch.Tensor) -> None:
         assert isinstance(param, nn.Parameter)
         check_accumulated(param, self._name_of)
-        if not self._should_sync:
+        if self._scope is SyncScope.NONE:
             self._grads.keep_local(param)
             return
+        self._queue.replicate = self._scope is SyncScope.ALL
         if self._queue.is_sent_or_holds(param):  # Note [reentrant checkpoints] in reduction_queue
             raise ValueError(
                 f"parameter {self._name_of(param)!r} got a second gradient in one backward pass after its "
@@ -379,18 +438,24 @@ class ShardedDataParallel(nn.Module):
     def reduce(self) -> None:
         """Reduce the gradients accumulated locally (under :meth:`no_sync`) now. All ranks.
 
-        Use it to finish an accumulation done entirely inside ``no_sync()``.
+        Use it to finish an accumulation done entirely inside ``no_sync()``, or inside
+        ``no_replicate_sync()`` (then it runs the deferred all-reduce across replicas).
 
         Raises:
             RuntimeError: there are no locally accumulated gradients to reduce.
         """
-        if not self._grads.has_local:
+        deferred = isinstance(self._queue, ReductionQueue) and self._queue.has_deferred
+        if not self._grads.has_local and not deferred:
             raise RuntimeError(
                 f"[rank {self.rank}] ShardedDataParallel.reduce(): nothing to reduce; backward passes "
                 "outside no_sync() reduce their gradients themselves. Call reduce() after backward passes "
-                "run under no_sync()"
+                "run under no_sync() or no_replicate_sync()"
             )
-        self._flush()
+        self._queue.replicate = True  # reduce() ends the accumulation window
+        if self._grads.has_local:
+            self._flush()
+        elif isinstance(self._queue, ReductionQueue):
+            self._queue.reduce_deferred()
 
     # ------------------------------------------------------------------ state
 
@@ -405,6 +470,8 @@ class ShardedDataParallel(nn.Module):
         """
         self.module.zero_grad(set_to_none=set_to_none)
         self._grads.zero()
+        if isinstance(self._queue, ReductionQueue):
+            self._queue.drop_deferred()  # Note [hybrid reduction] in replicas
 
     def sync_buffers(self, blocking: bool = False) -> list[comm.PendingWork]:
         """Copy rank 0's buffers to every rank.
@@ -415,7 +482,7 @@ class ShardedDataParallel(nn.Module):
         Returns:
             The pending copies (already completed when ``blocking``).
         """
-        pending = [comm.broadcast(b.data, 0, self.process_group, label="shardopt::sdp::buffers")
+        pending = [comm.broadcast(b.data, 0, self._world_group, label="shardopt::sdp::buffers")
                    for b in self.module.buffers()]
         if blocking:
             comm.wait_all(pending)
