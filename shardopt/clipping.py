@@ -43,8 +43,20 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import GradScaler
 
-__all__ = ["ClipArgs", "ClipFn", "Registration", "in_wrapper_order", "refuse_torch_grad_scaler", "register_sharded", "sharded_by",
-           "sharded_by_another", "torch_grad_scaler_refused", "torch_scaler_asks", "unregister"]
+__all__ = [
+    "ClipArgs",
+    "ClipFn",
+    "Registration",
+    "in_wrapper_order",
+    "refuse_torch_grad_scaler",
+    "refuse_torch_scaler_read",
+    "register_sharded",
+    "sharded_by",
+    "sharded_by_another",
+    "torch_grad_scaler_refused",
+    "torch_scaler_asks",
+    "unregister",
+]
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,15 @@ def refuse_torch_grad_scaler(optimizer: object, rank: int) -> None:
     for name in ("found_inf", "grad_scale"):  # torch deletes them only after a step that returns
         optimizer.__dict__.pop(name, None)
     raise torch_grad_scaler_refused(rank)
+
+
+def refuse_torch_scaler_read(frame: types.FrameType, params: Iterable[torch.Tensor], wrapper: object, rank: int) -> bool:
+    """``_step_supports_amp_scaling`` of an OSS: raise (:func:`torch_grad_scaler_refused`) when
+    ``frame`` is torch's ``GradScaler.step`` and a ShardedDataParallel shards ``params``, else
+    ``False`` (Note [torch's GradScaler on sharded gradients] in ``shardopt.optim.grad_scaler``)."""
+    if torch_scaler_asks(frame) and sharded_by_another(params, wrapper):
+        raise torch_grad_scaler_refused(rank)
+    return False
 
 
 def torch_grad_scaler_refused(rank: int) -> RuntimeError:

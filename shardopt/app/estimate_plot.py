@@ -4,7 +4,8 @@ Two panels (bf16 parameters with fp32 masters and Adam, K = 12; fp32 Adam, K = 8
 to 1024 on a log axis: DDP, ZeRO-1, ZeRO-2 and ZeRO-3 by the ZeRO paper's formulas
 (:func:`shardopt.memory.estimate_model_states`), and, when the shapes are known, the heaviest
 rank under the real plans (:func:`shardopt.memory.estimate_plans`): ZeRO-1 and ZeRO-2 with
-whole parameters (as OSS plans for a matrix-wise optimizer) and ZeRO-2 with large parameters split by rows (OSS's default for an elementwise one).
+whole parameters (as OSS plans for a matrix-wise optimizer) and ZeRO-2 with large parameters
+split by rows (OSS's default for an elementwise one).
 With ``--measure``, the heaviest measured rank of each mode is drawn as a marker on the same
 axes: measured on a scaled-down copy and multiplied by the full model's parameters over the
 copy's (every category the count includes grows with the parameter count, as the copy keeps

@@ -371,8 +371,9 @@ def render_measured(measurement: Measurement, stderr: bool = False) -> None:
     table = Table(title=f"measured under torch's fake process group: a 1/{measurement.scale}-width copy "
                         f"({measurement.num_params:,} params; vocab {shape.vocab_size}, hidden {shape.hidden_size}, "
                         f"{shape.num_layers} layers), one forward/backward/step, then counted before the next step",
-                  caption=escape("whole: every parameter owned whole by one rank (split_large_params=False, matrix-wise optimizers); split: large parameters "
-                                 "owned in row blocks (OSS(split_large_params=True)); bytes = distinct storages of "
+                  caption=escape("whole: every parameter owned whole by one rank (split_large_params=False, "
+                                 "matrix-wise optimizers); split: large parameters owned in row blocks "
+                                 "(OSS(split_large_params=True)); bytes = distinct storages of "
                                  "parameters, gradients, fp32 masters (with their gradients) and optimizer state on "
                                  "the rank (Note [what a measured rank holds] in shardopt.fake_ranks); ideal = the same "
                                  "mode at N = 1 with its sharded part divided by N; MB = 1e6 bytes"))

@@ -386,10 +386,8 @@ class OSS(Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        """Raises toward torch's GradScaler.step under ShardedDataParallel, else False (Note [torch's GradScaler on sharded gradients])."""
-        if clipping.torch_scaler_asks(sys._getframe(1)) and clipping.sharded_by_another(self.params, self):
-            raise clipping.torch_grad_scaler_refused(self.rank)
-        return False
+        """False; raises toward torch's GradScaler.step under ShardedDataParallel (clipping.refuse_torch_scaler_read)."""
+        return clipping.refuse_torch_scaler_read(sys._getframe(1), self.params, self, self.rank)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim``'s over every parameter; also frees the masters' gradients
