@@ -186,6 +186,24 @@ def refuse_torch_grad_scaler(optimizer: object, rank: int) -> None:
     raise torch_grad_scaler_refused(rank)
 
 
+def check_step(optimizer: object, params: Iterable[torch.Tensor], rank: int) -> None:
+    """Before ``optimizer`` (an OSS) steps: :func:`refuse_torch_grad_scaler`, then the check of
+    the wrapper that shards ``params`` (ShardedDataParallel's ``check_optimizer_step``: no
+    step inside an unfinished ``no_replicate_sync`` window, Note [hybrid reduction] in
+    ``shardopt.nn.data_parallel.replicas``). Local: no collective.
+
+    Raises:
+        RuntimeError: either refuses.
+    """
+    refuse_torch_grad_scaler(optimizer, rank)
+    for registration in map(sharded_by, params):
+        if registration is not None and registration.wrapper is not optimizer:
+            check = getattr(registration.wrapper, "check_optimizer_step", None)
+            if check is not None:
+                check()
+            return
+
+
 def refuse_torch_scaler_read(frame: types.FrameType, params: Iterable[torch.Tensor], wrapper: object, rank: int) -> bool:
     """``_step_supports_amp_scaling`` of an OSS: raise (:func:`torch_grad_scaler_refused`) when
     ``frame`` is torch's ``GradScaler.step`` and a ShardedDataParallel shards ``params``, else

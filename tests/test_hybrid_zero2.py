@@ -384,3 +384,28 @@ def test_replicate_bytes_per_step_are_at_most_1_over_s_of_flat_zero2s_and_deferr
         assert grads / 2 <= replicate <= grads / 2 + 64, (rank, replicate)
         assert r["default"] == [replicate] * 3, (rank, r["default"])
         assert r["deferred"] == [0.0, 0.0, replicate], (rank, r["deferred"])
+
+
+def _step_in_open_window(rank: int, world_size: int) -> dict[str, str]:
+    """A step inside an unfinished no_replicate_sync window is refused on every rank, before any
+    collective; after the window is finished the same step goes through."""
+    model = seeded_mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, shard_size=2, **ADAM)
+    sdp = ShardedDataParallel(model, opt)
+    with sdp.no_replicate_sync():
+        _mlp_loss(sdp, rank, 0).backward()
+    try:
+        opt.step()
+        refused = "stepped"
+    except RuntimeError as exc:
+        refused = str(exc)
+    sdp.reduce()  # finishes the window: the all-reduce across replicas runs once
+    opt.step()
+    sdp.close()
+    return {"refused": refused}
+
+
+def test_a_step_inside_an_unfinished_no_replicate_sync_window_is_refused_on_every_rank() -> None:
+    for rank, out in enumerate(run_ranks(_step_in_open_window, 4, timeout_s=60)):
+        assert out["refused"].startswith(f"[rank {rank % 2}] OSS.step() inside an unfinished no_replicate_sync() window"), out
+        assert "finish the window first" in out["refused"], out

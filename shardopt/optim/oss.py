@@ -356,7 +356,7 @@ class OSS(Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        clipping.refuse_torch_grad_scaler(self, self.rank)  # Note [torch's GradScaler on sharded gradients]
+        clipping.check_step(self, self.params, self.rank)  # Note [torch's GradScaler on sharded gradients]
         if tuple(p.requires_grad for p in self.params) != self._trainable_sig:
             _warn_once("trainable", "OSS: parameters were frozen or unfrozen; call refresh_trainable() on "
                        "every rank (ShardedDataParallel does it for you)")

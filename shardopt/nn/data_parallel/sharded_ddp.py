@@ -408,6 +408,21 @@ class ShardedDataParallel(nn.Module):
         finally:
             self._scope = previous
 
+    def check_optimizer_step(self) -> None:
+        """Called by ``OSS.step`` before it steps: refuse a step inside an unfinished
+        ``no_replicate_sync`` window, whose in-group sums have not crossed the replicas yet
+        (each replica would step on its own part and the replicas would drift apart).
+
+        Raises:
+            RuntimeError: naming the window and how to finish it.
+        """
+        if isinstance(self._queue, ReductionQueue) and self._queue.has_deferred:
+            raise RuntimeError(
+                f"[rank {self.rank}] OSS.step() inside an unfinished no_replicate_sync() window: its in-group "
+                "gradient sums have not been all-reduced across replicas, so the replicas would step on different "
+                "gradients; finish the window first (a backward outside no_replicate_sync(), or "
+                "ShardedDataParallel.reduce()), then step")
+
     # ------------------------------------------------------------------ hooks
 
     def _post_accumulate(self, param: torch.Tensor) -> None:
