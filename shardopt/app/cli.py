@@ -37,6 +37,7 @@ from shardopt.app.precision import PRECISIONS, REDUCE_DTYPES, Precision
 from shardopt.app.runner import DEVICE_CHOICES, TrainJob
 from shardopt.app.usage import check_writable as _check_writable
 from shardopt.app.usage import fail as _fail
+from shardopt.hybrid import plan_tiling
 
 __all__ = ["EXAMPLES", "build_parser", "main"]
 
@@ -151,6 +152,9 @@ def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: st
                    help="intra-op threads per rank (default: CPU cores / ranks)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON; - writes them to "
                    "standard output (tables and progress go to standard error)")
+    p.add_argument("--shard-size", type=_local_ranks, default=None,
+                   help="S, ranks per shard group for the hybrid modes (zero1-hybrid, zero2-hybrid): shard inside "
+                   "groups of S consecutive ranks, replicate across them; must divide the world size")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="auto: NCCL with one GPU per local rank when there are enough GPUs, else gloo on the CPU; "
                    "cuda: GPUs even when local ranks must share them (gloo then); cpu: gloo on the CPU "
@@ -297,6 +301,23 @@ def _check_device(command: str, args: argparse.Namespace) -> None:
               "use --device auto or cpu")
 
 
+def _check_shard_size(command: str, shard_size: int | None, world: int, modes: Sequence[str]) -> None:
+    """``--shard-size`` goes with the hybrid modes, both ways, and divides the world size."""
+    hybrid = [name for name in modes if resolve(name)[0].hybrid]
+    if hybrid and shard_size is None:
+        _fail(command, f"mode {hybrid[0]!r} shards inside groups of --shard-size S ranks: pass --shard-size S (a "
+              f"divisor of the world size {world}, e.g. the ranks per node)")
+    if shard_size is not None and not hybrid:
+        names = ", ".join(n for n, m in MODES.items() if m.hybrid)
+        _fail(command, f"--shard-size {shard_size} applies to the hybrid modes ({names}) only; pick one of them, or "
+              "drop --shard-size")
+    if shard_size is not None:
+        try:
+            plan_tiling(world, shard_size)
+        except ValueError as exc:
+            _fail(command, f"--shard-size: {exc}")
+
+
 def _check_mode(command: str, name: str) -> None:
     reason = get_mode(name).unavailable()
     if reason is not None:
@@ -311,6 +332,7 @@ def _demo(args: argparse.Namespace) -> int:
     _check_device("demo", args)
     precision = _demo_precision(args)  # before _check_mode, which imports the mode's library
     _check_mode("demo", args.mode)
+    _check_shard_size("demo", args.shard_size, world, [args.mode])
     _check_needs_checkpoint(args)
     mode = get_mode(args.mode)
     checkpoint_path = os.path.abspath(args.checkpoint) if args.checkpoint else None
@@ -327,6 +349,7 @@ def _demo(args: argparse.Namespace) -> int:
         grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp, precision=precision,
         warmup_steps=args.warmup_steps, checkpoint_path=checkpoint_path, resume=args.resume or args.resume_if_exists,
         save_every_steps=args.save_every, threads_per_rank=_threads_per_rank(args, world), device=args.device,
+        shard_size=args.shard_size,
     )
     if job.resume and checkpoint_path and os.path.exists(checkpoint_path):
         _check_checkpoint(job)
@@ -396,9 +419,12 @@ def _bench(args: argparse.Namespace) -> int:
               f"use --steps >= {args.warmup_steps + 8} for a median over 8 steps")
     skipped: list[tuple[str, str]] = []
     if args.modes is None:
-        names = [n for n, m in MODES.items() if "fp32" in m.precisions and m.unavailable() is None]
+        # the hybrid modes join the default list when --shard-size says how to shard
+        names = [n for n, m in MODES.items() if "fp32" in m.precisions and m.unavailable() is None
+                 and (not m.hybrid or args.shard_size is not None)]
     else:
         names, skipped = _bench_modes(args.modes)
+    _check_shard_size("bench", args.shard_size, world, names)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -414,8 +440,7 @@ def _bench(args: argparse.Namespace) -> int:
         modes=tuple(names), model=args.model, steps=args.steps, warmup_steps=args.warmup_steps,
         batch_size=args.batch_size, lr=args.lr, seed=args.seed, rounds=args.rounds, world_size=world,
         threads_per_rank=_threads_per_rank(args, world), json_path=args.json, plot_path=args.plot,
-        device=args.device,
-        skipped=tuple(skipped),
+        device=args.device, skipped=tuple(skipped), shard_size=args.shard_size,
     ))
 
 
