@@ -274,7 +274,7 @@ def start_runs(progress: Progress, total_runs: int) -> TaskID:
 def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One report per rank from several rounds of the same mode.
 
-    Step times are pooled and their median recomputed; heap, bytes and device peaks take the
+    Step times are pooled and their median recomputed; heap, bytes (by group too) and device peaks take the
     largest round (they repeat to within a page, so this only guards against an outlier).
 
     Args:
@@ -296,10 +296,11 @@ def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             step_times_s=times, counted_steps=len(times), median_step_s=statistics.median(times) if times else None,
             heap_after_step=largest("heap_after_step"), heap_peak=largest("heap_peak"),
             bytes_per_step=largest("bytes_per_step"), device_peak=largest("device_peak"),
-            group_bytes_per_step=None if any(r.get("group_bytes_per_step") is None for r in per_round) else {
-                kind: max(r["group_bytes_per_step"][kind] for r in per_round) for kind in GROUP_KINDS},
             rounds=len(per_round), round_median_step_s=[r["median_step_s"] for r in per_round],
         )
+        if "group_bytes_per_step" in first:  # reports of shardopt's own modes
+            first["group_bytes_per_step"] = None if any(r["group_bytes_per_step"] is None for r in per_round) else {
+                kind: max(r["group_bytes_per_step"][kind] for r in per_round) for kind in GROUP_KINDS}
         merged.append(first)
     return merged
 
