@@ -5,7 +5,9 @@ folder each resume bit for bit against DDP + Adam resumed from its own state, at
 shard size, at another one (S = 1: every rank a full replica) and flat (OSS over the whole
 world); a folder saved flat resumes hybrid. Only the shard group of rank 0 writes optimizer
 state (Note [replicated optimizer state] in shardopt.state_checks); replicas that have
-diverged are refused on every rank before anything is written.
+diverged are refused on every rank before anything is written. Hybrid ZeRO-2 (OSS and
+ShardedDataParallel given ``shard_size``) resumes bit for bit from either format and
+reloads into flat ZeRO-2 with the same state; it is skipped where it is not built.
 
 Why exact: DDP all-reduces every gradient over the world, so the resumed OSS and the resumed
 reference step the same numbers with the same elementwise Adam update, whatever the shard
@@ -15,6 +17,7 @@ size; both sides build a fresh DDP (same buckets), so atol = rtol = 0.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import re
 from typing import Any
@@ -28,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt import checkpoint
 from shardopt.hybrid import resolve_layout
+from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
@@ -152,3 +156,64 @@ def test_save_sharded_refuses_diverged_replicas_on_every_rank_and_keeps_the_prev
         assert "diverged" in r["error"] and "nothing was written" in r["error"], r
         assert r["extra"] == {"version": 1}, r  # the previous checkpoint, whole
         assert r["left"] == ["s"], r  # no staging folder left behind
+
+
+def _zero2_missing() -> str | None:
+    """What hybrid ZeRO-2 lacks in this shardopt (``None``: OSS and ShardedDataParallel take ``shard_size``)."""
+    for name, cls in (("OSS", OSS), ("ShardedDataParallel", ShardedDataParallel)):
+        if "shard_size" not in inspect.signature(cls).parameters:
+            return f"needs {name}(..., shard_size=S): hybrid ZeRO-2 (issue 24) is not in this shardopt"
+    return None
+
+
+def _zero2(seed: int, shard_size: int | None) -> tuple[nn.Module, OSS, nn.Module]:
+    model = seeded_mlp(seed=seed)
+    layout: dict[str, Any] = {} if shard_size is None else {"shard_size": shard_size}
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-2, **layout)
+    return model, opt, ShardedDataParallel(model, opt, **layout)
+
+
+def _zero2_steps(sdp: nn.Module, opt: OSS, rank: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        sdp(rank_batch(rank, step)).pow(2).mean().backward()
+        opt.step()
+
+
+def _hybrid_zero2_checkpoint_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    model, opt, sdp = _zero2(0, 2)
+    _zero2_steps(sdp, opt, rank, range(STEPS))
+    saved = copy.deepcopy(opt.state_dict(all_ranks=True))
+    paths = {"consolidated": os.path.join(root, "c.pt"), "sharded": os.path.join(root, "s")}
+    checkpoint.save_consolidated(paths["consolidated"], model, opt)
+    checkpoint.save_sharded(paths["sharded"], model, opt)
+    _zero2_steps(sdp, opt, rank, range(STEPS, STEPS + MORE))
+    loads = {"consolidated": checkpoint.load_consolidated, "sharded": checkpoint.load_sharded}
+    resumed, flat_state = {}, {}
+    for fmt, load in loads.items():
+        fresh, fresh_opt, fresh_sdp = _zero2(1, 2)
+        load(paths[fmt], fresh, fresh_opt)
+        _zero2_steps(fresh_sdp, fresh_opt, rank, range(STEPS, STEPS + MORE))
+        resumed[fmt] = max_abs_diff(fresh.parameters(), model.parameters())
+        flat, flat_opt, _ = _zero2(2, None)  # ZeRO-2 over the whole world: the same state, resharded
+        load(paths[fmt], flat, flat_opt)
+        flat_state[fmt] = _state_equal(flat_opt.state_dict(all_ranks=True), saved)
+    writers = _writer_ranks(paths["sharded"]) if rank == 0 else None
+    return {"resumed": resumed, "flat_state": flat_state, "writers": writers}
+
+
+def _state_equal(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    return got["state"].keys() == want["state"].keys() and all(
+        got["state"][i].keys() == entry.keys() and all(torch.equal(got["state"][i][k], v) for k, v in entry.items())
+        for i, entry in want["state"].items())
+
+
+@pytest.mark.skipif(_zero2_missing() is not None, reason=str(_zero2_missing()))
+def test_hybrid_zero2_checkpoints_resume_bit_for_bit_and_reload_flat(tmp_path: Any) -> None:
+    # The resumed run does the uninterrupted run's arithmetic (same layout, same reduction
+    # order), so atol = rtol = 0; the flat ZeRO-2 load must hold exactly the saved state.
+    results = run_ranks(_hybrid_zero2_checkpoint_rank, 4, str(tmp_path), timeout_s=90)
+    for rank, r in enumerate(results):
+        assert r["resumed"] == {"consolidated": 0.0, "sharded": 0.0}, (rank, r)
+        assert r["flat_state"] == {"consolidated": True, "sharded": True}, (rank, r)
+    assert results[0]["writers"]["optim"] == {0, 1}, results[0]["writers"]
