@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from shardopt.app.cli import main
-from shardopt.app.modes import MODES
+from shardopt.app.modes import MODES, Setup
 from shardopt.app.shapes import SHAPE_PRESETS
 from shardopt.memory import estimate_plans
 from tests.helpers.cli import TINY, assert_one_line_errors
@@ -141,3 +142,16 @@ def test_demo_hybrid_zero1_checkpoint_resumes_hybrid_flat_or_ddp_to_the_same_los
     # float32 rounding of 2 steps (observed 5e-7 on a loss of 5.35).
     assert resumed["zero1-hybrid"] == resumed["zero1"] == resumed["ddp"], resumed
     assert max(abs(a - b) for a, b in zip(resumed["ddp"], straight, strict=True)) < 1e-5, (resumed, straight)
+
+
+@pytest.mark.skipif(MODES["zero2-hybrid"].unavailable() is None, reason="hybrid ZeRO-2 is here: nothing to refuse")
+def test_zero2_hybrid_names_the_missing_api_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_one_line_errors([
+        (["bench", *TINY, "--world-size", "4", "--shard-size", "2", "--modes", "ddp,zero2-hybrid"],
+         "mode 'zero2-hybrid' needs OSS(..., shard_size=S), which this shardopt lacks (hybrid ZeRO-2, issue 24)"),
+    ], capsys)
+
+
+def test_a_hybrid_mode_built_without_a_shard_size_says_so() -> None:
+    with pytest.raises(ValueError, match=r"a hybrid mode needs Setup.shard_size \(shardopt demo/bench --shard-size S\)"):
+        MODES["zero1-hybrid"].wrap(torch.nn.Linear(2, 2), Setup(1e-3, torch.device("cpu")))
