@@ -137,14 +137,19 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
                           f"{job.warmup_steps} warm-up; heap is relative to before the model was built"
                           + (f"; checkpoint: {job.checkpoint_path}" if job.checkpoint_path else ""))
     on_gpu = any(r.device_peak is not None for r in reports)
+    hybrid = job.shard_size is not None  # bytes by group: Note [bytes per group] in shardopt.app.group_bytes
     for name in ("rank", "heap after step (MiB)", "heap peak (MiB)", *(("GPU peak (MiB)",) if on_gpu else ()),
-                 "sent/step (MiB)", "median step (ms)", "final loss"):
+                 "sent/step (MiB)", *((f"world / shard ({job.shard_size}) / replicate (MiB)",) if hybrid else ()),
+                 "median step (ms)", "final loss"):
         table.add_column(name, justify="right")
     for r in reports:
         step_ms = "n/a" if r.median_step_s is None else f"{1000 * r.median_step_s:.1f}"
         gpu = (mib(r.device_peak),) if on_gpu else ()
-        table.add_row(str(r.rank), mib(r.heap_after_step), mib(r.heap_peak), *gpu, mib(r.bytes_per_step), step_ms,
-                      f"{r.final_loss:.4f}")
+        groups = r.group_bytes_per_step
+        by_group = (("n/a" if groups is None else " / ".join(mib(groups[k]) for k in ("world", "shard", "replicate")),)
+                    if hybrid else ())
+        table.add_row(str(r.rank), mib(r.heap_after_step), mib(r.heap_peak), *gpu, mib(r.bytes_per_step), *by_group,
+                      step_ms, f"{r.final_loss:.4f}")
     return table
 
 
