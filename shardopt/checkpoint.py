@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
@@ -44,9 +43,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardopt import comm, failures
 from shardopt.failures import CollectiveError
-from shardopt.files import atomic_write, is_temp_name, remove_path, remove_stale_temps_in, staging_paths, swap_in
-from shardopt.state_checks import (MASTER_KEY, check_indexed_state, check_model_state, check_optimizer_state,
-                                   checksums, dtypes, meta_crc, shapes, verify)
+from shardopt.files import (SHARDED_MARKER, atomic_write, check_writable, is_temp_name, remove_path,
+                            remove_stale_temps_in, staging_paths, swap_in)
+from shardopt.state_checks import (MASTER_KEY, assign_writers, check_indexed_state, check_model_state,
+                                   check_optimizer_state, checksums, dtypes, meta_crc, shapes, verify)
 
 __all__ = [
     "ShardedModel",
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 CONSOLIDATED_FORMAT = "shardopt.consolidated/3"
 SHARDED_FORMAT = "shardopt.sharded/3"
 _OLD_FORMATS = {"shardopt.consolidated/1", "shardopt.sharded/1", "shardopt.consolidated/2", "shardopt.sharded/2"}
-_META_FILE = "shardopt_meta.pt"
+_META_FILE = SHARDED_MARKER
 PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 
 # Note [sharded optimizer layout]
@@ -83,7 +83,14 @@ PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 
 @runtime_checkable
 class ShardedOptimizer(Protocol):
-    """An optimizer whose ranks each hold part of the state (OSS)."""
+    """An optimizer whose ranks each hold part of the state (OSS).
+
+    ``group`` is the process group the state is sharded over (``None``: the world); under
+    hybrid sharding it is the shard group and the other shard groups hold equal copies
+    (Note [replicated optimizer state] in :mod:`shardopt.state_checks`).
+    """
+
+    group: comm.ProcessGroup | None
 
     @property
     def params(self) -> tuple[torch.Tensor, ...]: ...
@@ -150,45 +157,16 @@ def _world() -> int:
     return comm.group_size(None) if dist.is_available() and dist.is_initialized() else 1
 
 
+def _members(group: comm.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (``None``: the world), in group-rank order; not a collective."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return list(range(_world()))
+    return dist.get_process_group_ranks(group)
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         comm.barrier(None)
-
-
-def check_writable(path: str, sharded: bool) -> None:
-    """Fail now, not after training, when a checkpoint cannot be written at ``path``.
-
-    Args:
-        path: the checkpoint file (consolidated) or folder (sharded).
-        sharded: whether a folder will be written.
-
-    Raises:
-        ValueError: a file where a folder is needed or the reverse (the path itself or one
-            of its parents), a non-empty folder that is not a shardopt checkpoint, or a
-            parent folder where files cannot be created.
-    """
-    path = os.path.abspath(path)
-    if sharded and os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"checkpoint path {path!r} is a file, but a sharded checkpoint is a folder; "
-                         "pick another path or remove the file")
-    if sharded and os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, _META_FILE)):
-        raise ValueError(f"checkpoint path {path!r} is a folder that holds something else than a shardopt "
-                         "checkpoint; pick an empty or new folder (it would be replaced)")
-    if not sharded and os.path.isdir(path):
-        raise ValueError(f"checkpoint path {path!r} is a folder, but a consolidated checkpoint is a file; "
-                         "pick a file name")
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"checkpoint path {path!r} cannot be created: {parent!r} is a file, not a folder: the "
-                         "checkpoint cannot be created under it; pick another path")
-    try:  # a real probe: access() says yes to root even where nothing can be created
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as exc:
-        raise ValueError(f"checkpoint path {path!r} cannot be written: no files can be created in {parent!r} "
-                         f"({exc.strerror}); pick a writable folder") from exc
 
 
 # ---------------------------------------------------------------------- consolidated
@@ -231,7 +209,9 @@ def save_consolidated(
     model_state = module.state_dict()  # on every rank: a collective for a ZeRO-3 wrapper
     optim_state: dict[str, Any] | None = None
     if isinstance(optimizer, ShardedOptimizer):
-        optimizer.consolidate_state_dict(recipient_rank=0)
+        members = _members(optimizer.group)
+        if 0 in members:  # only the shard group of rank 0 (Note [replicated optimizer state])
+            optimizer.consolidate_state_dict(recipient_rank=members.index(0))
         if _rank() == 0:
             optim_state = optimizer.state_dict()
     elif optimizer is not None and isinstance(module, ShardedModel):
@@ -420,13 +400,17 @@ def save_sharded(
     _barrier()
     kind, state, values = _encode(model, optimizer)
     try:
+        sums = checksums(state.get("optim") if kind == "oss" else None, "/optim")
+        gathered = comm.all_gather_object((values, sums), None) if _world() > 1 else [(values, sums)]
+        # Replicas (hybrid sharding) hold the same entries: one writer each (Note [replicated optimizer state]).
+        writers = assign_writers(f"save_sharded({path!r})", [{**s, **checksums(v, "/values", values=True)}
+                                                              for v, s in gathered])
+        if kind == "oss":
+            state["optim"] = {k: v for k, v in state["optim"].items() if writers[f"/optim/{k}"] == _rank()}
         with _named_failures("shardopt::checkpoint::save"):
             dcp.save(state, checkpoint_id=staging)
-        sums = checksums(state.get("optim") if kind == "oss" else None, "/optim")
         if _rank() == 0:
-            sums.update(checksums(state["model"], "/model") if kind == "oss" else {})
-        gathered = comm.all_gather_object((values, sums), None) if _world() > 1 else [(values, sums)]
-        if _rank() == 0:
+            gathered[0][1].update(checksums(state["model"], "/model") if kind == "oss" else {})
             oss_groups = kind == "oss" and optimizer is not None
             meta = {
                 "format": SHARDED_FORMAT, "world_size": _world(), "optim_kind": kind,

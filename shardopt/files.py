@@ -1,5 +1,6 @@
 """Atomic file writes: the one way shardopt replaces a file (checkpoints, JSON results), and
-the staging folder through which a sharded checkpoint replaces a folder.
+the staging folder through which a sharded checkpoint replaces a folder, and the check that a
+checkpoint can be written at all (:func:`check_writable`, re-exported by :mod:`shardopt.checkpoint`).
 
 Note [atomic writes]
 The content goes to a temporary file next to the target, named ``.<name>.tmp-<pid>``, is
@@ -14,11 +15,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["atomic_write", "fsync_dir", "is_temp_name", "remove_path", "remove_stale_temps", "remove_stale_temps_in",
-           "staging_paths", "swap_in"]
+__all__ = ["SHARDED_MARKER", "atomic_write", "check_writable", "fsync_dir", "is_temp_name", "remove_path",
+           "remove_stale_temps", "remove_stale_temps_in", "staging_paths", "swap_in"]
+
+SHARDED_MARKER = "shardopt_meta.pt"
+"""The metadata file every shardopt sharded checkpoint folder holds (written last)."""
 
 
 def _temp_name(path: str, pid: int) -> str:
@@ -162,3 +167,39 @@ def swap_in(staging: str, path: str, old: str) -> None:
         os.replace(staging, path)
     fsync_dir(os.path.dirname(path))
     remove_path(old)
+
+
+def check_writable(path: str, sharded: bool) -> None:
+    """Fail now, not after training, when a checkpoint cannot be written at ``path``.
+
+    Args:
+        path: the checkpoint file (consolidated) or folder (sharded).
+        sharded: whether a folder will be written.
+
+    Raises:
+        ValueError: a file where a folder is needed or the reverse (the path itself or one
+            of its parents), a non-empty folder that is not a shardopt checkpoint, or a
+            parent folder where files cannot be created.
+    """
+    path = os.path.abspath(path)
+    if sharded and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"checkpoint path {path!r} is a file, but a sharded checkpoint is a folder; "
+                         "pick another path or remove the file")
+    if sharded and os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, SHARDED_MARKER)):
+        raise ValueError(f"checkpoint path {path!r} is a folder that holds something else than a shardopt "
+                         "checkpoint; pick an empty or new folder (it would be replaced)")
+    if not sharded and os.path.isdir(path):
+        raise ValueError(f"checkpoint path {path!r} is a folder, but a consolidated checkpoint is a file; "
+                         "pick a file name")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"checkpoint path {path!r} cannot be created: {parent!r} is a file, not a folder: the "
+                         "checkpoint cannot be created under it; pick another path")
+    try:  # a real probe: access() says yes to root even where nothing can be created
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise ValueError(f"checkpoint path {path!r} cannot be written: no files can be created in {parent!r} "
+                         f"({exc.strerror}); pick a writable folder") from exc

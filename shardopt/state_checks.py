@@ -20,13 +20,29 @@ state shapes) and only then changes the model and the optimizer, so a failed loa
 both as they were (a ZeRO-3 load reads into the live shards after dcp has checked every
 size). Files written in formats ``/1`` (no checksums) and ``/2`` (tensor checksums only,
 no group sizes) still load, with the checks their records allow.
+
+Note [replicated optimizer state]
+Under hybrid sharding the optimizer is an OSS over a shard group of S ranks and every one of
+the R shard groups holds the same state, so R ranks hold each sharded-checkpoint entry. dcp
+would write it once anyway (its default planner deduplicates a key held by several ranks,
+keeping it on the rank whose plan is smallest so far, ``dedup_save_plans`` in torch 2.13),
+but which copy it keeps depends on plan sizes, and the checksum recorded for the key would be
+whichever rank's came last: replicas that had drifted apart would give a checkpoint that
+mixes them, or one that fails its own checksum at load. So :func:`shardopt.checkpoint.save_sharded`
+first gathers every rank's entry checksums (a few bytes per entry), :func:`assign_writers`
+refuses, on every rank and before anything is written, replicas that differ, and names the
+lowest rank holding each entry as its only writer: the shard group of rank 0 writes the
+optimizer state, and dcp's balancing then leaves the model's replicated tensors mostly to
+the other ranks. A consolidated save consolidates only in the shard group of rank 0 (the
+other groups would gather the same state for nothing). A load needs no such care: every rank
+reads the entries it owns under its own plan, at any shard size.
 """
 
 from __future__ import annotations
 
 import pickle
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +50,7 @@ from torch import nn
 
 __all__ = [
     "MASTER_KEY",
+    "assign_writers",
     "check_indexed_state",
     "check_model_state",
     "check_optimizer_state",
@@ -75,6 +92,36 @@ def checksums(obj: Any, prefix: str = "", values: bool = False) -> dict[str, int
         for i, value in enumerate(obj):
             out.update(checksums(value, f"{prefix}/{i}", values))
     return out
+
+
+def assign_writers(where: str, claims: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Which rank writes each record that several ranks hold (Note [replicated optimizer state]).
+
+    Pure: every rank calls it with the same gathered ``claims`` and gets the same answer or
+    the same error.
+
+    Args:
+        where: what is being saved, for the message.
+        claims: for each rank, the checksum of every record it holds, by key.
+
+    Returns:
+        For every key, the lowest rank that holds it.
+
+    Raises:
+        ValueError: two ranks hold one key with different checksums (replicas that should
+            be equal have diverged); nothing should be written then.
+    """
+    writers: dict[str, int] = {}
+    for rank, sums in enumerate(claims):
+        for key, crc in sums.items():
+            first = writers.setdefault(key, rank)
+            if claims[first][key] != crc:
+                raise ValueError(
+                    f"{where}: ranks {first} and {rank} both hold optimizer state {key!r} but it differs between "
+                    "them, so the replicas of this shard have diverged (a step, a load or a manual change that ran "
+                    "on one replica only); nothing was written: make every replica run the same steps (e.g. DDP or "
+                    "ShardedDataParallel over the whole world), or reload the last checkpoint on every rank")
+    return writers
 
 
 def verify(where: str, saved: Mapping[str, int], loaded: Mapping[str, int]) -> None:

@@ -41,6 +41,7 @@ from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardopt.app import runner
+from shardopt.app.group_bytes import GROUP_KINDS
 from shardopt.app.launch import run_launched
 from shardopt.app.modes import resolve
 from shardopt.app.render import JSON_TO_STDOUT, machine_info, mib, stdout_kept_for_json, write_json
@@ -69,6 +70,7 @@ class BenchConfig:
         device: where the ranks train (:data:`shardopt.app.runner.DEVICE_CHOICES`).
         skipped: ``(name, reason)`` of requested peer modes that cannot run here (their
             library is missing); shown under the table and kept in the JSON.
+        shard_size: S for the hybrid modes (``--shard-size``), ``None`` when none runs.
     """
 
     modes: tuple[str, ...]
@@ -85,6 +87,7 @@ class BenchConfig:
     plot_path: str | None = None
     device: str = "auto"
     skipped: tuple[tuple[str, str], ...] = ()
+    shard_size: int | None = None
 
 
 @record
@@ -119,6 +122,9 @@ class ModeResult:
         time_ratio: this mode's median step time over DDP's (slowest rank each).
         heap_ratio: heap after step over DDP's (largest rank each).
         bytes_ratio: bytes sent per step over DDP's (largest rank each).
+        group_bytes: bytes sent per step by group kind, largest rank each (Note [bytes per
+            group] in :mod:`shardopt.app.group_bytes`), or ``None`` for peers' modes.
+        group_ratios: each kind's ``group_bytes`` over DDP's bytes (all of them ``world``).
     """
 
     mode: str
@@ -127,11 +133,20 @@ class ModeResult:
     time_ratio: float | None
     heap_ratio: float | None
     bytes_ratio: float | None
+    group_bytes: dict[str, float] | None = None
+    group_ratios: dict[str, float | None] | None = None
 
     def worst(self, key: str) -> float | None:
         """The largest value of ``key`` over ranks (``None`` if any rank lacks it)."""
         values = [r[key] for r in self.ranks]
         return None if any(v is None for v in values) else float(max(values))
+
+    def worst_by_group(self) -> dict[str, float] | None:
+        """The largest bytes per step of each group kind over ranks (``None``: not counted)."""
+        values = [r.get("group_bytes_per_step") for r in self.ranks]
+        if any(v is None for v in values):
+            return None
+        return {kind: float(max(v[kind] for v in values if v is not None)) for kind in GROUP_KINDS}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -166,7 +181,7 @@ def run_bench(config: BenchConfig) -> int:
                 "threads_per_rank": config.threads_per_rank, "model": config.model,
                 "num_params": results[0].ranks[0]["num_params"], "steps": config.steps,
                 "warmup_steps": config.warmup_steps, "batch_size": config.batch_size, "seed": config.seed,
-                "rounds": config.rounds,
+                "rounds": config.rounds, "shard_size": config.shard_size,
                 "results": [{**r.__dict__, "precision": resolve(r.mode)[1].describe()} for r in results],
                 "skipped": [{"mode": name, "reason": reason} for name, reason in config.skipped],
             }, json_stream)
@@ -193,7 +208,8 @@ def _run_modes(args: BenchConfig, console: Console) -> list[ModeResult]:
                 job = runner.TrainJob(mode=mode.name, precision=precision, preset=args.model, steps=args.steps,
                                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                       warmup_steps=args.warmup_steps, params_out=params_path,
-                                      threads_per_rank=args.threads_per_rank, device=args.device)
+                                      threads_per_rank=args.threads_per_rank, device=args.device,
+                                      shard_size=args.shard_size if mode.hybrid else None)
                 where = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
                 progress.update(task, description=f"{name} on {world} ranks ({args.steps} steps){where}")
                 ranks = run_launched("bench", bench_rank, world, job, args.json_path == JSON_TO_STDOUT)[0]
@@ -211,9 +227,13 @@ def _run_modes(args: BenchConfig, console: Console) -> list[ModeResult]:
     for name in names:
         raw = ModeResult(name, merge_rounds(runs[name]), diffs[name], None, None, None)
         base = results[0] if results else raw  # ddp, the first mode, is compared with itself
-        results.append(ModeResult(raw.mode, raw.ranks, raw.max_param_diff, *(
-            _ratio(raw.worst(key), base.worst(key)) for key in ("median_step_s", "heap_after_step", "bytes_per_step")
-        )))
+        groups, ddp_groups = raw.worst_by_group(), base.worst_by_group()
+        ddp_total = None if ddp_groups is None else sum(ddp_groups.values())
+        time_ratio, heap_ratio, bytes_ratio = (
+            _ratio(raw.worst(key), base.worst(key)) for key in ("median_step_s", "heap_after_step", "bytes_per_step"))
+        results.append(ModeResult(raw.mode, raw.ranks, raw.max_param_diff, time_ratio, heap_ratio, bytes_ratio,
+                                  group_bytes=groups, group_ratios=None if groups is None else {
+                                      kind: _ratio(value, ddp_total) for kind, value in groups.items()}))
     return results
 
 
@@ -254,7 +274,7 @@ def start_runs(progress: Progress, total_runs: int) -> TaskID:
 def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One report per rank from several rounds of the same mode.
 
-    Step times are pooled and their median recomputed; heap, bytes and device peaks take the
+    Step times are pooled and their median recomputed; heap, bytes (by group too) and device peaks take the
     largest round (they repeat to within a page, so this only guards against an outlier).
 
     Args:
@@ -278,6 +298,9 @@ def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             bytes_per_step=largest("bytes_per_step"), device_peak=largest("device_peak"),
             rounds=len(per_round), round_median_step_s=[r["median_step_s"] for r in per_round],
         )
+        if "group_bytes_per_step" in first:  # reports of shardopt's own modes
+            first["group_bytes_per_step"] = None if any(r["group_bytes_per_step"] is None for r in per_round) else {
+                kind: max(r["group_bytes_per_step"][kind] for r in per_round) for kind in GROUP_KINDS}
         merged.append(first)
     return merged
 
@@ -312,20 +335,28 @@ def bench_table(args: BenchConfig, world: int, results: list[ModeResult]) -> Tab
               f"{world} ranks, batch {args.batch_size}",
         caption=f"MiB per rank (rank 0 / rank 1 / ...); heap = malloc'ed bytes above the value before the model "
                 f"was built; sent = /proc/self/io wchar per step; median over {counted} steps{pooled} after "
-                f"{args.warmup_steps} warm-up each, ranks barrier-aligned; ratios against ddp (worst rank)"
+                f"{args.warmup_steps} warm-up each, ranks barrier-aligned; ratios against ddp (worst rank); sent by "
+                f"group = bytes per step through shardopt's collectives by process group, DDP's all-reduce computed "
+                f"(Note \\[bytes per group] in shardopt.app.group_bytes), over ddp's"
+                f"{f'; shard groups of {args.shard_size} ranks' if args.shard_size else ''}"
                 f"{suffixes}{skipped}",
     )
     on_gpu = any(rank["device_peak"] is not None for r in results for rank in r.ranks)
+    kinds = [k for k in GROUP_KINDS if any(r.group_bytes and r.group_bytes[k] for r in results)] or ["world"]
+    by_group = f"sent by group ({' / '.join(kinds)})"
     for column in ("mode", "heap after step", "heap peak", *(("GPU peak",) if on_gpu else ()), "sent/step",
-                   "median step ms", "max|p - p_ddp|", "time", "heap", "sent"):
+                   "median step ms", "max|p - p_ddp|", "time", "heap", "sent", by_group, "vs ddp"):
         table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=column == "mode")
     for r in results:
         step = r.worst("median_step_s")
         gpu = (_per_rank(r, "device_peak", mib),) if on_gpu else ()
+        groups, ratios = r.group_bytes, r.group_ratios
         table.add_row(
             r.mode, _per_rank(r, "heap_after_step", mib), _per_rank(r, "heap_peak", mib), *gpu,
             _per_rank(r, "bytes_per_step", mib), "n/a" if step is None else f"{1000 * step:.1f}",
             f"{r.max_param_diff:.2e}", _x(r.time_ratio), _x(r.heap_ratio), _x(r.bytes_ratio),
+            "n/a" if groups is None else " / ".join(mib(groups[k]) for k in kinds),
+            "n/a" if ratios is None else " / ".join(_x(ratios[k]) for k in kinds),
         )
     return table
 

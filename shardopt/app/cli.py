@@ -21,7 +21,6 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -30,14 +29,15 @@ import torch
 from shardopt import __version__
 from shardopt.app.env_report import report_text
 from shardopt.app.launch import run_launched, under_torchrun
-from shardopt.app.measure import add_measure_args, check_measure_args, measure_for_args
+from shardopt.app.estimate_cmd import run_estimate
+from shardopt.app.measure import add_measure_args
 from shardopt.app.models import PRESETS
 from shardopt.app.modes import MODES, bench_names, get_mode, resolve
 from shardopt.app.precision import PRECISIONS, REDUCE_DTYPES, Precision
-from shardopt.app.render import JSON_TO_STDOUT
 from shardopt.app.runner import DEVICE_CHOICES, TrainJob
-from shardopt.app.shapes import SHAPE_PRESETS, read_hf_config
-from shardopt.memory import PlanEstimate, estimate_model_states, estimate_plans
+from shardopt.app.usage import check_writable as _check_writable
+from shardopt.app.usage import fail as _fail
+from shardopt.hybrid import plan_tiling
 
 __all__ = ["EXAMPLES", "build_parser", "main"]
 
@@ -152,6 +152,9 @@ def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: st
                    help="intra-op threads per rank (default: CPU cores / ranks)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON; - writes them to "
                    "standard output (tables and progress go to standard error)")
+    p.add_argument("--shard-size", type=_local_ranks, default=None,
+                   help="S, ranks per shard group for the hybrid modes (zero1-hybrid, zero2-hybrid): shard inside "
+                   "groups of S consecutive ranks, replicate across them; must divide the world size")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="auto: NCCL with one GPU per local rank when there are enough GPUs, else gloo on the CPU; "
                    "cuda: GPUs even when local ranks must share them (gloo then); cpu: gloo on the CPU "
@@ -229,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json of a Llama-style decoder "
                       "(its shapes; nothing is downloaded or built)")
     est.add_argument("--world-size", type=_ranks, required=True, help="data-parallel ranks")
+    est.add_argument("--shard-size", type=_ranks, default=None, help="S: also plan hybrid sharding, shard groups "
+                     "of S ranks replicated N/S times (optimizer and gradient shards of 1/S); must divide "
+                     "--world-size")
     est.add_argument("--fp32", action="store_true", help="fp32 params/grads (default: mixed precision: bf16 "
                      "params with fp32 masters, as --precision bf16-master)")
     est.add_argument("--optimizer-bytes", type=_non_negative_float, default=None,
@@ -272,11 +278,6 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fail(command: str, message: str) -> NoReturn:
-    sys.stderr.write(f"shardopt {command}: error: {message}\n")
-    raise SystemExit(2)
-
-
 def _resolve_world(command: str, args: argparse.Namespace) -> int:
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -300,6 +301,23 @@ def _check_device(command: str, args: argparse.Namespace) -> None:
               "use --device auto or cpu")
 
 
+def _check_shard_size(command: str, shard_size: int | None, world: int, modes: Sequence[str]) -> None:
+    """``--shard-size`` goes with the hybrid modes, both ways, and divides the world size."""
+    hybrid = [name for name in modes if resolve(name)[0].hybrid]
+    if hybrid and shard_size is None:
+        _fail(command, f"mode {hybrid[0]!r} shards inside groups of --shard-size S ranks: pass --shard-size S (a "
+              f"divisor of the world size {world}, e.g. the ranks per node)")
+    if shard_size is not None and not hybrid:
+        names = ", ".join(n for n, m in MODES.items() if m.hybrid)
+        _fail(command, f"--shard-size {shard_size} applies to the hybrid modes ({names}) only; pick one of them, or "
+              "drop --shard-size")
+    if shard_size is not None:
+        try:
+            plan_tiling(world, shard_size)
+        except ValueError as exc:
+            _fail(command, f"--shard-size: {exc}")
+
+
 def _check_mode(command: str, name: str) -> None:
     reason = get_mode(name).unavailable()
     if reason is not None:
@@ -314,6 +332,7 @@ def _demo(args: argparse.Namespace) -> int:
     _check_device("demo", args)
     precision = _demo_precision(args)  # before _check_mode, which imports the mode's library
     _check_mode("demo", args.mode)
+    _check_shard_size("demo", args.shard_size, world, [args.mode])
     _check_needs_checkpoint(args)
     mode = get_mode(args.mode)
     checkpoint_path = os.path.abspath(args.checkpoint) if args.checkpoint else None
@@ -330,6 +349,7 @@ def _demo(args: argparse.Namespace) -> int:
         grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp, precision=precision,
         warmup_steps=args.warmup_steps, checkpoint_path=checkpoint_path, resume=args.resume or args.resume_if_exists,
         save_every_steps=args.save_every, threads_per_rank=_threads_per_rank(args, world), device=args.device,
+        shard_size=args.shard_size,
     )
     if job.resume and checkpoint_path and os.path.exists(checkpoint_path):
         _check_checkpoint(job)
@@ -376,42 +396,6 @@ def _check_needs_checkpoint(args: argparse.Namespace) -> None:
             _fail("demo", f"{option} needs --checkpoint PATH ({why})")
 
 
-# Note [paths checked at startup]
-# Checkpoints and results are written after training, so a path that cannot be written
-# would cost the whole run. Every output path is checked before any rank starts: the path
-# must not be a folder where a file goes (or a file where a folder goes), and the nearest
-# existing folder on the way to it must be a folder in which this process can create a
-# file (missing folders below it are created at save time, as before). A probe file is
-# created and removed rather than asking os.access, which says yes to root everywhere.
-
-
-def _check_writable(command: str, option: str, path: str, folder: bool, why: str) -> None:
-    """Fail now with one line when ``path`` cannot be written later (Note [paths checked at startup]).
-
-    ``--json -`` (standard output) is always writable.
-    """
-    if option == "--json" and path == JSON_TO_STDOUT:
-        return
-    path = os.path.abspath(path)
-    if folder and os.path.exists(path) and not os.path.isdir(path):
-        _fail(command, f"{option} {path!r} is a file, but {why}; remove it or choose another path")
-    if not folder and os.path.isdir(path):
-        _fail(command, f"{option} {path!r} is a folder, but {why}; choose a file path")
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        _fail(command, f"{option} {path!r} cannot be written: {parent!r} is a file, not a folder; choose another "
-              "path")
-    try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".shardopt-probe-")
-    except OSError as exc:
-        _fail(command, f"{option} {path!r} cannot be written: cannot create files in {parent!r} ({exc.strerror}); "
-              "choose a writable path")
-    os.close(fd)
-    os.remove(probe)
-
-
 def _check_checkpoint(job: TrainJob) -> None:
     from shardopt.app.runner import check_resumable
 
@@ -435,9 +419,12 @@ def _bench(args: argparse.Namespace) -> int:
               f"use --steps >= {args.warmup_steps + 8} for a median over 8 steps")
     skipped: list[tuple[str, str]] = []
     if args.modes is None:
-        names = [n for n, m in MODES.items() if "fp32" in m.precisions and m.unavailable() is None]
+        # the hybrid modes join the default list when --shard-size says how to shard
+        names = [n for n, m in MODES.items() if "fp32" in m.precisions and m.unavailable() is None
+                 and (not m.hybrid or args.shard_size is not None)]
     else:
         names, skipped = _bench_modes(args.modes)
+    _check_shard_size("bench", args.shard_size, world, names)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -453,8 +440,7 @@ def _bench(args: argparse.Namespace) -> int:
         modes=tuple(names), model=args.model, steps=args.steps, warmup_steps=args.warmup_steps,
         batch_size=args.batch_size, lr=args.lr, seed=args.seed, rounds=args.rounds, world_size=world,
         threads_per_rank=_threads_per_rank(args, world), json_path=args.json, plot_path=args.plot,
-        device=args.device,
-        skipped=tuple(skipped),
+        device=args.device, skipped=tuple(skipped), shard_size=args.shard_size,
     ))
 
 
@@ -483,99 +469,6 @@ def _bench_modes(text: str) -> tuple[list[str], list[tuple[str, str]]]:
     return names, skipped
 
 
-# ---------------------------------------------------------------------- estimate
-
-
-def _load_factory(command: str, spec: str) -> torch.nn.Module:
-    if spec in PRESETS:
-        from shardopt.app.models import GPT
-
-        return GPT(PRESETS[spec])
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        _fail(command, f"--model {spec!r} must be a preset ({', '.join(sorted([*PRESETS, *SHAPE_PRESETS]))}) or "
-              "package.module:factory, e.g. torchvision.models:resnet50")
-    import importlib
-
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        _fail(command, f"--model {spec!r}: cannot load {attr!r} from {module_name!r} ({exc})")
-    try:
-        model = factory() if callable(factory) else factory
-    except Exception as exc:  # noqa: BLE001 - a user's factory may raise anything: one usage line, no traceback
-        _fail(command, f"--model {spec!r}: calling {attr}() with no arguments failed ({type(exc).__name__}: {exc}); "
-              "point --model at a function that takes no arguments and returns the model (e.g. "
-              "mymodels:build_small), or use --params N")
-    if not isinstance(model, torch.nn.Module):
-        _fail(command, f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
-    return model
-
-
-def _estimate_shapes(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
-    """The parameter shapes ``estimate`` plans with, or ``None`` for a bare ``--params`` count."""
-    if args.hf_config is not None:
-        try:
-            return read_hf_config(args.hf_config).shapes()
-        except ValueError as exc:
-            _fail("estimate", str(exc))
-    if args.model is None:
-        return None
-    if args.model in SHAPE_PRESETS:
-        return SHAPE_PRESETS[args.model].shapes()
-    with torch.device("meta"):
-        model = _load_factory("estimate", args.model)
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    if not shapes:
-        _fail("estimate", f"--model {args.model!r} has no parameters")
-    return shapes
-
-
-def _estimate(args: argparse.Namespace) -> int:
-    if args.json:
-        _check_writable("estimate", "--json", args.json, folder=False, why="the result is written there")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            _fail("estimate", "--plot needs matplotlib, which is not installed; pip install matplotlib, or drop "
-                  "--plot")
-        _check_writable("estimate", "--plot", args.plot, folder=False, why="the plot is written there")
-    try:
-        to_measure = check_measure_args(args)
-    except ValueError as exc:
-        _fail("estimate", str(exc))
-    shapes = _estimate_shapes(args)
-    plan: PlanEstimate | None = None
-    try:
-        if shapes is None:
-            est = estimate_model_states(args.params, args.world_size, mixed_precision=not args.fp32,
-                                        optimizer_bytes_per_param=args.optimizer_bytes)
-        else:
-            plan = estimate_plans(shapes, args.world_size, mixed_precision=not args.fp32,
-                                  optimizer_bytes_per_param=args.optimizer_bytes)
-            est = plan.formula
-    except ValueError as exc:
-        _fail("estimate", str(exc))
-    from shardopt.app.render import estimate_rows, measured_rows, render_estimate, render_plan, write_json
-
-    render_estimate(est, stderr=args.json == JSON_TO_STDOUT)
-    if plan is not None:
-        render_plan(plan, stderr=args.json == JSON_TO_STDOUT)
-    measured = None if to_measure is None else measure_for_args(to_measure, args, stderr=args.json == JSON_TO_STDOUT)
-    if args.plot:
-        from shardopt.app.estimate_plot import plot_estimate
-
-        what = args.model or args.hf_config or f"{args.params:.3g} parameters"
-        plot_estimate(args.plot, shapes if shapes is not None else args.params, what,
-                      optimizer_bytes_per_param=args.optimizer_bytes, measured=measured)
-    if args.json:
-        write_json(args.json, {"command": "estimate", **est.as_dict(), "rows": estimate_rows(est), "unit": "bytes",
-                               "plan": None if plan is None else plan.as_dict(),
-                               "measured": None if measured is None else measured_rows(measured)})
-    return 0
-
-
 def _env(args: argparse.Namespace) -> int:
     sys.stdout.write(report_text() + "\n")  # plain text to paste, not a rich table
     return 0
@@ -592,5 +485,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         on stderr; Ctrl-C ends every rank and exits 130.
     """
     args = build_parser().parse_args(argv)
-    handlers = {"demo": _demo, "bench": _bench, "estimate": _estimate, "env": _env, "convert": _convert}
+    handlers = {"demo": _demo, "bench": _bench, "estimate": run_estimate, "env": _env, "convert": _convert}
     return handlers[args.command](args)

@@ -33,8 +33,8 @@ from shardopt.memory import GB, ModelStateEstimate, PlanEstimate, capabilities
 if TYPE_CHECKING:  # the measurement (and torch's fake group) loads only with estimate --measure
     from shardopt.app.measure import Measurement
 
-__all__ = ["JSON_TO_STDOUT", "demo_rank", "demo_table", "estimate_rows", "machine_info", "measured_rows", "mib",
-           "render_estimate", "render_measured", "render_plan",
+__all__ = ["JSON_TO_STDOUT", "demo_rank", "demo_table", "estimate_rows", "hybrid_rows", "machine_info",
+           "measured_rows", "mib", "render_estimate", "render_hybrid", "render_measured", "render_plan",
            "stdout_kept_for_json", "write_json"]
 
 JSON_TO_STDOUT = "-"
@@ -137,14 +137,19 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
                           f"{job.warmup_steps} warm-up; heap is relative to before the model was built"
                           + (f"; checkpoint: {job.checkpoint_path}" if job.checkpoint_path else ""))
     on_gpu = any(r.device_peak is not None for r in reports)
+    hybrid = job.shard_size is not None  # bytes by group: Note [bytes per group] in shardopt.app.group_bytes
     for name in ("rank", "heap after step (MiB)", "heap peak (MiB)", *(("GPU peak (MiB)",) if on_gpu else ()),
-                 "sent/step (MiB)", "median step (ms)", "final loss"):
+                 "sent/step (MiB)", *((f"world / shard ({job.shard_size}) / replicate (MiB)",) if hybrid else ()),
+                 "median step (ms)", "final loss"):
         table.add_column(name, justify="right")
     for r in reports:
         step_ms = "n/a" if r.median_step_s is None else f"{1000 * r.median_step_s:.1f}"
         gpu = (mib(r.device_peak),) if on_gpu else ()
-        table.add_row(str(r.rank), mib(r.heap_after_step), mib(r.heap_peak), *gpu, mib(r.bytes_per_step), step_ms,
-                      f"{r.final_loss:.4f}")
+        groups = r.group_bytes_per_step
+        by_group = (("n/a" if groups is None else " / ".join(mib(groups[k]) for k in ("world", "shard", "replicate")),)
+                    if hybrid else ())
+        table.add_row(str(r.rank), mib(r.heap_after_step), mib(r.heap_peak), *gpu, mib(r.bytes_per_step), *by_group,
+                      step_ms, f"{r.final_loss:.4f}")
     return table
 
 
@@ -324,6 +329,72 @@ def render_plan(plan: PlanEstimate, stderr: bool = False) -> None:
         step = (_gb(row["at_step_bytes"]),) if mixed else ()
         table.add_row(row["stage"], row["plan"], _gb(row["bytes"]), *step, f"{row['imbalance']:.3f}x",
                       f"{row['vs_formula']:.3f}x")
+    console = Console(stderr=stderr)
+    (console if console.is_terminal else Console(width=160, stderr=stderr)).print(table)
+
+
+def hybrid_rows(flat: ModelStateEstimate, hybrid: ModelStateEstimate, plan: PlanEstimate | None) -> list[dict[str, Any]]:
+    """ZeRO-1 and ZeRO-2, flat over N ranks and hybrid over shard groups of S, as plain values.
+
+    The hybrid rows are the same formulas and plans with N replaced by S: ownership is
+    planned over the shard group, whose S ranks split the optimizer state (and, for ZeRO-2,
+    the gradients); the R = N / S groups hold equal copies.
+
+    Args:
+        flat: the formula at N ranks.
+        hybrid: the formula at S ranks.
+        plan: the real ownership plans over S ranks, or ``None`` for a bare parameter count.
+
+    Returns:
+        For each stage: flat formula, hybrid formula, then (with ``plan``) the heaviest rank of
+        the hybrid whole-parameter and row-split plans; each with ``sharded_fraction`` (1/N
+        or 1/S of the sharded terms) and ``vs_flat`` (bytes over the flat formula's).
+    """
+    n, s = flat.world_size, hybrid.world_size
+    rows: list[dict[str, Any]] = []
+    for stage, name in (("ZeRO-1", "stage1"), ("ZeRO-2", "stage2")):
+        base = getattr(flat, name)
+        entries = [(f"flat, {n} ranks", "formula", 1 / n, base, getattr(flat, f"{name}_at_step")),
+                   (f"hybrid, shard groups of {s} ({n // s} replicas)", "formula", 1 / s, getattr(hybrid, name),
+                    getattr(hybrid, f"{name}_at_step"))]
+        if plan is not None:
+            for split in (False, True):
+                entries.append((f"hybrid, shard groups of {s} ({n // s} replicas)",
+                                "row-split plan, heaviest rank" if split else "whole-parameter plan, heaviest rank",
+                                (plan.split_heaviest_params if split else plan.unsplit_heaviest_params) /
+                                hybrid.num_params, getattr(plan, name)(split), getattr(plan, f"{name}_at_step")(split)))
+        rows.extend({"stage": stage, "layout": layout, "plan": how, "sharded_fraction": fraction, "bytes": value,
+                     "at_step_bytes": step, "vs_flat": value / base}
+                    for layout, how, fraction, value, step in entries)
+    return rows
+
+
+def render_hybrid(flat: ModelStateEstimate, hybrid: ModelStateEstimate, plan: PlanEstimate | None,
+                  stderr: bool = False) -> None:
+    """Print :func:`hybrid_rows` as a rich table.
+
+    Args:
+        flat: the formula at N ranks.
+        hybrid: the formula at S ranks.
+        plan: the real plans over S ranks, or ``None``.
+        stderr: print on standard error.
+    """
+    mixed = flat.param_bytes == 2
+    table = Table(title=f"hybrid sharding: shard groups of {hybrid.world_size} ranks, {flat.world_size} ranks in all",
+                  caption="sharded = optimizer state (ZeRO-1), and gradients (ZeRO-2): planned over the shard group, "
+                          "so 1/S of the model per rank instead of 1/N; parameters stay whole on every rank; "
+                          "bench mode zero1-hybrid with --shard-size S (docs/hybrid.md)")
+    for name in ("stage", "layout", "plan"):
+        table.add_column(name, overflow="fold")
+    table.add_column("sharded share", justify="right")
+    table.add_column("GB per rank", justify="right")
+    if mixed:
+        table.add_column("GB during the step", justify="right")
+    table.add_column("vs flat", justify="right")
+    for row in hybrid_rows(flat, hybrid, plan):
+        step = (_gb(row["at_step_bytes"]),) if mixed else ()
+        table.add_row(row["stage"], row["layout"], row["plan"], f"{row['sharded_fraction']:.4f}", _gb(row["bytes"]),
+                      *step, f"{row['vs_flat']:.3f}x")
     console = Console(stderr=stderr)
     (console if console.is_terminal else Console(width=160, stderr=stderr)).print(table)
 

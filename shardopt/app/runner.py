@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt import checkpoint, comm
+from shardopt.app.group_bytes import GROUP_KINDS, GroupBytes, ddp_step_bytes
 from shardopt.app.models import PRESETS, CharBatches, build_model, stdlib_corpus
 from shardopt.app.modes import Setup, Wrapped, full_parameters, get_mode, load_optimizer_state
 from shardopt.app.precision import Precision
@@ -60,6 +62,7 @@ class TrainJob:
         corpus_bytes: how much of the built-in corpus to read.
         threads_per_rank: intra-op threads per rank.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (see :func:`init_process_group_from_env`).
+        shard_size: S, ranks per shard group, for a hybrid mode (``None`` otherwise).
 
     Raises:
         ValueError: ``amp`` with a precision other than fp32.
@@ -82,6 +85,7 @@ class TrainJob:
     corpus_bytes: int = 4 * 2**20
     threads_per_rank: int = 1
     device: str = "auto"
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.amp is not None and self.precision.name != "fp32":
@@ -129,7 +133,9 @@ class RankReport:
         tokens_per_step: tokens per optimizer step over all ranks.
         device_peak: CUDA peak allocated bytes, on GPU.
         backend: the process group backend.
-        heap_source: what the heap figures read (or why they are missing).
+        group_bytes_per_step: mean bytes sent per counted step by group kind (``world``,
+            ``shard``, ``replicate``, ``other``; Note [bytes per group] in
+            :mod:`shardopt.app.group_bytes`), or ``None`` for peers' modes.
     """
 
     rank: int
@@ -147,6 +153,7 @@ class RankReport:
     tokens_per_step: int
     device_peak: int | None
     backend: str
+    group_bytes_per_step: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values for JSON."""
@@ -373,25 +380,20 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
     recorder.start()
     module = build_model(cfg, seed=job.seed, device=device)
     num_params = sum(p.numel() for p in module.parameters())
-    wrapped = mode.wrap(module, Setup(job.lr, device, job.precision, job.batch_size, job.grad_accum_steps))
-    scaler = _make_scaler(job, device)
-    start = _resume(job, wrapped, scaler)
-    tokens_per_step = job.batch_size * cfg.seq_len * job.grad_accum_steps * world
-    loss = float("nan")
-    for step in range(start, job.steps):
-        comm.barrier(None)
-        t0 = time.perf_counter()
-        with recorder.step():
-            loss = _one_step(job, wrapped, batches, step, scaler, recorder, device)
-        seconds = time.perf_counter() - t0
-        done = step + 1
-        if job.checkpoint_path and job.save_every_steps and done % job.save_every_steps == 0 and done < job.steps:
-            _save(job, wrapped, done, scaler)
-        if rank == 0 and on_step is not None:
-            on_step(StepInfo(done, job.steps, loss, tokens_per_step / seconds))
+    setup = Setup(job.lr, device, job.precision, job.batch_size, job.grad_accum_steps, job.shard_size)
+    group_bytes = None if mode.peer else GroupBytes(job.shard_size)
+    with group_bytes.installed() if group_bytes is not None else contextlib.nullcontext():
+        wrapped = mode.wrap(module, setup)
+        scaler = _make_scaler(job, device)
+        start = _resume(job, wrapped, scaler)
+        # DDP reduces in C++, past shardopt.comm: its bytes are computed (Note [bytes per group]).
+        ddp_bytes = ddp_step_bytes(list(wrapped.module.parameters()), world) if isinstance(wrapped.model, DDP) else 0.0
+        loss, per_step = _steps(job, wrapped, batches, start, scaler, recorder, device, group_bytes, ddp_bytes,
+                                on_step)
     if job.checkpoint_path and job.steps > start:
         _save(job, wrapped, job.steps, scaler)
     counted = recorder.steps[job.warmup_steps:]
+    by_group = per_step[job.warmup_steps:]
     times = tuple(s.seconds for s in counted)
     sent = [s.bytes_sent for s in counted]
     report = RankReport(
@@ -402,10 +404,39 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
         if sent and None not in sent and dist.get_backend() != "nccl" else None,
         median_step_s=statistics.median(times) if times else None,
         step_times_s=times, counted_steps=len(counted), final_loss=loss, start_step=start,
-        tokens_per_step=tokens_per_step, device_peak=recorder.device_peak, backend=str(dist.get_backend()),
+        tokens_per_step=job.batch_size * PRESETS[job.preset].seq_len * job.grad_accum_steps * world,
+        device_peak=recorder.device_peak, backend=str(dist.get_backend()),
+        group_bytes_per_step={k: sum(d[k] for d in by_group) / len(by_group) for k in GROUP_KINDS}
+        if group_bytes is not None and by_group else None,
     )
     if job.params_out is not None:
         params = full_parameters(wrapped)
         if rank == 0:
             torch.save(params, job.params_out)
     return list(comm.all_gather_object(report, None))
+
+
+def _steps(job: TrainJob, wrapped: Wrapped, batches: CharBatches, start: int, scaler: Any | None,
+           recorder: MemoryRecorder, device: torch.device, group_bytes: GroupBytes | None, ddp_bytes: float,
+           on_step: Callable[[StepInfo], None] | None) -> tuple[float, list[dict[str, float]]]:
+    """Train from ``start`` to ``job.steps``: the last loss, and each step's bytes by group kind."""
+    rank, world = comm.group_rank(None), comm.group_size(None)
+    tokens_per_step = job.batch_size * PRESETS[job.preset].seq_len * job.grad_accum_steps * world
+    loss = float("nan")
+    per_step: list[dict[str, float]] = []
+    for step in range(start, job.steps):
+        comm.barrier(None)
+        before = group_bytes.snapshot() if group_bytes is not None else {}
+        t0 = time.perf_counter()
+        with recorder.step():
+            loss = _one_step(job, wrapped, batches, step, scaler, recorder, device)
+        seconds = time.perf_counter() - t0
+        if group_bytes is not None:
+            group_bytes.add("world", ddp_bytes)
+            per_step.append({k: v - before[k] for k, v in group_bytes.snapshot().items()})
+        done = step + 1
+        if job.checkpoint_path and job.save_every_steps and done % job.save_every_steps == 0 and done < job.steps:
+            _save(job, wrapped, done, scaler)
+        if rank == 0 and on_step is not None:
+            on_step(StepInfo(done, job.steps, loss, tokens_per_step / seconds))
+    return loss, per_step
