@@ -108,8 +108,6 @@ def test_bench_counts_bytes_per_group_and_hybrid_zero1_equals_ddp(tmp_path: Path
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(MODES["zero2-hybrid"].unavailable() is not None,
-                    reason=f"{MODES['zero2-hybrid'].unavailable()} (OSS and ShardedDataParallel taking shard_size=)")
 def test_bench_hybrid_zero2_sends_at_most_one_sth_of_flat_zero2_across_groups(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     assert main(["bench", *TINY, "--world-size", "4", "--shard-size", "2", "--steps", "4", "--warmup-steps", "1",
@@ -142,14 +140,6 @@ def test_demo_hybrid_zero1_checkpoint_resumes_hybrid_flat_or_ddp_to_the_same_los
     # float32 rounding of 2 steps (observed 5e-7 on a loss of 5.35).
     assert resumed["zero1-hybrid"] == resumed["zero1"] == resumed["ddp"], resumed
     assert max(abs(a - b) for a, b in zip(resumed["ddp"], straight, strict=True)) < 1e-5, (resumed, straight)
-
-
-@pytest.mark.skipif(MODES["zero2-hybrid"].unavailable() is None, reason="hybrid ZeRO-2 is here: nothing to refuse")
-def test_zero2_hybrid_names_the_missing_api_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert_one_line_errors([
-        (["bench", *TINY, "--world-size", "4", "--shard-size", "2", "--modes", "ddp,zero2-hybrid"],
-         "mode 'zero2-hybrid' needs OSS(..., shard_size=S), which this shardopt lacks (hybrid ZeRO-2, issue 24)"),
-    ], capsys)
 
 
 def test_a_hybrid_mode_built_without_a_shard_size_says_so() -> None:

@@ -7,7 +7,7 @@ world); a folder saved flat resumes hybrid. Only the shard group of rank 0 write
 state (Note [replicated optimizer state] in shardopt.state_checks); replicas that have
 diverged are refused on every rank before anything is written. Hybrid ZeRO-2 (OSS and
 ShardedDataParallel given ``shard_size``) resumes bit for bit from either format and
-reloads into flat ZeRO-2 with the same state; it is skipped where it is not built.
+reloads into flat ZeRO-2 with the same state.
 
 Why exact: DDP all-reduces every gradient over the world, so the resumed OSS and the resumed
 reference step the same numbers with the same elementwise Adam update, whatever the shard
@@ -17,7 +17,6 @@ size; both sides build a fresh DDP (same buckets), so atol = rtol = 0.
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 import re
 from typing import Any
@@ -158,14 +157,6 @@ def test_save_sharded_refuses_diverged_replicas_on_every_rank_and_keeps_the_prev
         assert r["left"] == ["s"], r  # no staging folder left behind
 
 
-def _zero2_missing() -> str | None:
-    """What hybrid ZeRO-2 lacks in this shardopt (``None``: OSS and ShardedDataParallel take ``shard_size``)."""
-    for name, cls in (("OSS", OSS), ("ShardedDataParallel", ShardedDataParallel)):
-        if "shard_size" not in inspect.signature(cls).parameters:
-            return f"needs {name}(..., shard_size=S): hybrid ZeRO-2 (issue 24) is not in this shardopt"
-    return None
-
-
 def _zero2(seed: int, shard_size: int | None) -> tuple[nn.Module, OSS, nn.Module]:
     model = seeded_mlp(seed=seed)
     layout: dict[str, Any] = {} if shard_size is None else {"shard_size": shard_size}
@@ -208,7 +199,6 @@ def _state_equal(got: dict[str, Any], want: dict[str, Any]) -> bool:
         for i, entry in want["state"].items())
 
 
-@pytest.mark.skipif(_zero2_missing() is not None, reason=str(_zero2_missing()))
 def test_hybrid_zero2_checkpoints_resume_bit_for_bit_and_reload_flat(tmp_path: Any) -> None:
     # The resumed run does the uninterrupted run's arithmetic (same layout, same reduction
     # order), so atol = rtol = 0; the flat ZeRO-2 load must hold exactly the saved state.

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
@@ -140,8 +139,6 @@ class Mode:
             picks its accelerator at import time).
         hybrid: the mode shards inside groups of :attr:`Setup.shard_size` ranks and
             replicates across them (``--shard-size``; docs/hybrid.md).
-        missing_api: returns ``None`` when the shardopt API the mode needs is here, else what
-            is missing (checked by :meth:`unavailable` after :attr:`requires`).
     """
 
     name: str
@@ -157,7 +154,6 @@ class Mode:
     reduce_dtypes: tuple[str, ...] = ()
     before_import: Callable[[], None] | None = None
     hybrid: bool = False
-    missing_api: Callable[[], str | None] | None = None
 
     def wrap(self, module: nn.Module, setup: Setup) -> Wrapped:
         """:attr:`build` after casting ``module`` to the precision's parameter dtype, with
@@ -208,8 +204,7 @@ class Mode:
             return f"mode {self.name!r} needs {module_name}, which is not installed; {self.install_hint}"
         if not hasattr(module, attr):
             return f"mode {self.name!r} needs {module_name}.{attr}, which this installation lacks; {self.install_hint}"
-        missing = self.missing_api() if self.missing_api is not None else None
-        return None if missing is None else f"mode {self.name!r} needs {missing}; {self.install_hint}"
+        return None
 
 
 def _plain_no_sync() -> ContextManager[Any]:
@@ -270,19 +265,8 @@ def _build_zero1_hybrid(module: nn.Module, setup: Setup) -> Wrapped:
 # Note [zero2-hybrid mode]
 # Hybrid ZeRO-2 is OSS and ShardedDataParallel both given the layout as shard_size=S: ownership
 # planned over the shard group, each bucket reduced inside it and the owner's part all-reduced
-# across the replicate group (issue 24). Until ShardedDataParallel takes the layout, the mode
-# reports that it is unavailable (_sdp_layout_missing) and its tests skip naming the missing
-# keyword; once it does, the mode runs as written here.
-
-
-def _sdp_layout_missing() -> str | None:
-    """What hybrid ZeRO-2 still lacks in this shardopt, or ``None`` (Note [zero2-hybrid mode])."""
-    from shardopt.nn import ShardedDataParallel
-
-    for name, cls in (("OSS", OSS), ("ShardedDataParallel", ShardedDataParallel)):
-        if "shard_size" not in inspect.signature(cls).parameters:
-            return f"{name}(..., shard_size=S), which this shardopt lacks (hybrid ZeRO-2, issue 24)"
-    return None
+# across the replicate group (issue 24; Note [hybrid reduction] in
+# shardopt.nn.data_parallel.replicas).
 
 
 def _build_zero2_hybrid(module: nn.Module, setup: Setup) -> Wrapped:
@@ -431,7 +415,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          _build_zero1_hybrid, fp16_scaler="sharded", precisions=_MASTERS, hybrid=True),
     Mode("zero2-hybrid", "shardopt ZeRO-2 sharded inside groups of --shard-size ranks, replicated across them",
          ("shardopt.nn", "ShardedDataParallel"), _OWN_HINT, _build_zero2_hybrid, fp16_scaler="sharded",
-         precisions=_MASTERS, reduce_dtypes=("fp32", "bf16"), hybrid=True, missing_api=_sdp_layout_missing),
+         precisions=_MASTERS, reduce_dtypes=("fp32", "bf16"), hybrid=True),
     Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn.fsdp", "FullyShardedDataParallel"),
          _OWN_HINT, _build_zero3, fp16_scaler="sharded"),
     Mode("torch-zero", "DDP + torch ZeroRedundancyOptimizer", ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
