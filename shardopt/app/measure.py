@@ -146,14 +146,12 @@ class Measurement:
         shape: the scaled shape built.
         scale: the divisor applied to every width and the vocabulary.
         results: one per (mode, precision, world size).
-        skipped: ``(mode, why)`` for each mode that cannot run here.
         num_params: the scaled model's parameters.
     """
 
     shape: DecoderShape
     scale: int
     results: tuple[Measured, ...]
-    skipped: tuple[tuple[Mode, str], ...]
     num_params: int
 
 
@@ -176,17 +174,15 @@ def run_measure(shape: DecoderShape, scale: int, modes: Sequence[Mode] | None, w
         ValueError: a bad scale (as :func:`~shardopt.app.decoder.scaled`).
     """
     small = scaled(shape, scale)
-    chosen = tuple(Mode) if modes is None else tuple(modes)
-    skipped: tuple[tuple[Mode, str], ...] = ()
-    runnable = list(chosen)
+    chosen = list(Mode) if modes is None else list(modes)
     workload = Workload(partial(Decoder, small), partial(decoder_loss, vocab_size=small.vocab_size), DecoderLayer)
     console = Console(stderr=stderr)
     with console.status("measuring") as status:
         update: Callable[[str], None] = lambda line: status.update(f"measuring {line}")  # noqa: E731
-        results = measure(workload, small.shapes(), runnable, mixed,
+        results = measure(workload, small.shapes(), chosen, mixed,
                           tuple(DEFAULT_WORLD_SIZES if world_sizes is None else world_sizes), progress=update)
     num_params = sum(math.prod(s) for s in small.shapes())
-    return Measurement(small, scale, tuple(results), skipped, num_params)
+    return Measurement(small, scale, tuple(results), num_params)
 
 
 def measure_for_args(shape: DecoderShape, args: argparse.Namespace, stderr: bool) -> Measurement:

@@ -406,13 +406,13 @@ _MODE_ORDER = tuple(_MODE_WORDS)
 
 def measured_rows(measurement: Measurement) -> list[dict[str, Any]]:
     """One row per mode, precision and world size of ``estimate --measure``, as plain values
-    (Note [the ideal share] in :mod:`shardopt.fake_ranks`); a skipped mode is one row with ``skipped``.
+    (Note [the ideal share] in :mod:`shardopt.fake_ranks`).
 
     Args:
         measurement: what was measured.
 
     Returns:
-        The rows by precision (mixed first), world size and mode, then the skipped modes.
+        The rows by precision (mixed first), world size and mode.
     """
     rows: list[dict[str, Any]] = []
     for m in sorted(measurement.results, key=lambda m: (not m.mixed, m.world_size, _MODE_ORDER.index(m.mode.value))):
@@ -426,8 +426,6 @@ def measured_rows(measurement: Measurement) -> list[dict[str, Any]]:
             "total_ratio": m.total_ratio, "sharded": list(m.mode.sharded),
             "per_rank": [{"rank": r.rank, "params": r.params, "grads": r.grads, "masters": r.masters,
                           "optimizer": r.optimizer, "total": r.total} for r in m.ranks]})
-    for mode, why in measurement.skipped:
-        rows.append({"mode": mode.value, "stage": _MODE_WORDS[mode.value], "skipped": why})
     return rows
 
 
@@ -453,11 +451,7 @@ def render_measured(measurement: Measurement, stderr: bool = False) -> None:
                           ("sharded MB, heaviest", "right"), ("sharded MB, ideal", "right"),
                           ("sharded vs ideal", "right"), ("total vs ideal", "right")):
         table.add_column(name, justify=justify, no_wrap=name == "mode")  # type: ignore[arg-type]
-    skipped = []
     for row in measured_rows(measurement):
-        if "skipped" in row:
-            skipped.append(f"{row['stage']}: skipped, {row['skipped']} (issue 27)")
-            continue
         ranks = row["ranks_measured"]
         table.add_row(row["precision"], str(row["world_size"]), row["stage"],
                       ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{len(ranks)} ranks",
@@ -468,5 +462,3 @@ def render_measured(measurement: Measurement, stderr: bool = False) -> None:
     console = Console(stderr=stderr)
     console = console if console.is_terminal else Console(width=200, stderr=stderr)
     console.print(table)
-    for line in skipped:
-        console.print(escape(line))
