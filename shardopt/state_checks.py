@@ -261,6 +261,23 @@ def check_state_fits(state: Mapping[Any, Any], to_index: Mapping[Any, int], para
                 )
 
 
+def _check_block_entry(where: str, head: str, name: str, value: torch.Tensor, shapes: list[torch.Size]) -> None:
+    """A saved block ``"<index>@<start>-<stop>"``: its state must fit rows ``[start, stop)`` of the parameter."""
+    index_text, rows = head.split("@")
+    index, (start, stop) = int(index_text), map(int, rows.split("-"))
+    if not index < len(shapes) or not 0 <= start < stop <= shapes[index][0]:
+        raise ValueError(f"checkpoint {where}: optimizer state {name!r} is saved for rows [{start}, {stop}) of "
+                         f"parameter {index}, which the optimizer does not have; the optimizer state belongs to "
+                         "another model or parameter order. Nothing was loaded")
+    block = torch.Size([stop - start, *shapes[index][1:]])
+    if not entry_fits(name, value, block):
+        raise ValueError(
+            f"checkpoint {where}: optimizer state {name!r} of rows [{start}, {stop}) of parameter {index} has shape "
+            f"{_shape_of(value)} in the checkpoint but those rows have {tuple(block)}; {_rule(name)}: the optimizer "
+            "state belongs to another model or parameter order: build the optimizer over the same parameters in the "
+            "same order. Nothing was loaded")
+
+
 def check_indexed_state(where: str, optimizer: torch.optim.Optimizer, shapes: list[torch.Size],
                         meta: Mapping[str, Any], saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> None:
     """Optimizer groups and every saved state entry's shape against the parameters, for state
@@ -292,6 +309,7 @@ def check_indexed_state(where: str, optimizer: torch.optim.Optimizer, shapes: li
     for key, (shape, dtype) in sorted(saved.items(), key=lambda item: int(item[0].split(".", 1)[0].split("@")[0])):
         head, name = key.split(".", 1)
         if "@" in head:  # a block of a split parameter (Note [fragment keys] in shardopt.optim.sharded_entries)
-            continue  # its rows are checked when they are joined at load
+            _check_block_entry(where, head, name, torch.empty(shape, dtype=dtype, device="meta"), shapes)
+            continue
         state.setdefault(int(head), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
     check_optimizer_state(where, optimizer, {"state": state, "param_groups": groups}, shapes)

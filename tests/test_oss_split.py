@@ -322,5 +322,17 @@ def test_state_fragments_cut_and_join_by_rows_and_refuse_gaps() -> None:
     saved = {"0@0-2.exp_avg": (torch.Size([2, 2]), torch.float32), "0@3-6.exp_avg": (torch.Size([3, 2]), torch.float32)}
     with pytest.raises(ValueError, match=r"does not cover rows \[2, 3\) that this rank owns.*Nothing was loaded"):
         sharded_entries.template(saved, {0: (0, 6)}, (6,), {0: torch.device("cpu")})
+    # a block's saved shape is checked against its rows before anything is read
+    from shardopt.state_checks import check_indexed_state
+    adam = torch.optim.Adam([nn.Parameter(torch.zeros(6, 2))])
+    block = {"0@0-2.exp_avg": (torch.Size([2, 2]), torch.float32), "0@0-2.step": (torch.Size([]), torch.float32)}
+    check_indexed_state("c", adam, [torch.Size([6, 2])], {"group_sizes": [1]}, block)
+    with pytest.raises(ValueError, match=r"of rows \[0, 2\) of parameter 0 has shape \(2, 3\) in the checkpoint but those "
+                                         r"rows have \(2, 2\).*Nothing was loaded"):
+        check_indexed_state("c", adam, [torch.Size([6, 2])], {"group_sizes": [1]},
+                            {"0@0-2.exp_avg": (torch.Size([2, 3]), torch.float32)})
+    with pytest.raises(ValueError, match=r"saved for rows \[4, 9\) of parameter 0, which the optimizer does not have"):
+        check_indexed_state("c", adam, [torch.Size([6, 2])], {"group_sizes": [1]},
+                            {"0@4-9.exp_avg": (torch.Size([5, 2]), torch.float32)})
     whole_key = {"0.exp_avg": (torch.Size([6, 2]), torch.float32)}  # written before splitting existed
     assert list(sharded_entries.template(whole_key, {0: (2, 4)}, (6,), {0: torch.device("cpu")})) == ["0.exp_avg"]
