@@ -22,7 +22,7 @@ from torch.optim import SGD
 from shardopt import comm
 from shardopt.optim.param_gather import ParamGather
 from shardopt.optim import OSS
-from shardopt.partition import partition_by_size
+from shardopt.partition import partition_by_size, plan_whole
 from shardopt.testing import run_ranks
 from tests.helpers.oss import mixed_mlp
 
@@ -87,7 +87,7 @@ def _sync_bytes(rank: int, world_size: int) -> dict[str, Any]:
             model = _wide_model()
             opt = OSS(model.parameters(), optim=SGD, lr=0.1, broadcast_fp16=fp16, split_large_params=False)  # whole-parameter paths
             if direct_min is not None:
-                opt._gather = ParamGather(list(opt.params), opt.partition, rank, None, direct_min_bytes=direct_min)
+                opt._gather = ParamGather(list(opt.params), opt.plan, rank, None, direct_min_bytes=direct_min)
             for p in model.parameters():
                 p.grad = torch.full_like(p, 0.001 * (1 + rank))  # owners' updates differ by rank
             versions = [p._version for p in model.parameters()]
@@ -144,9 +144,9 @@ def _gather_chunks(rank: int, world_size: int) -> dict[str, Any]:
             torch.manual_seed(0)
             params = [torch.zeros(n) for n in (70, 33, 5, 128, 1, 64)] + [torch.zeros(3, dtype=torch.bfloat16)]
             sizes = [p.numel() * p.element_size() for p in params]
-            plan = partition_by_size(sizes, world_size)
+            plan = plan_whole(sizes, [p.shape[0] for p in params], world_size)
             for i, p in enumerate(params):
-                if plan.owners[i] == rank:
+                if plan.blocks_of(i)[0].owner == rank:
                     p.copy_(torch.arange(p.numel(), dtype=p.dtype) + 1000 * i)
             with count_transfers() as calls:
                 ParamGather(params, plan, rank, None, bucket_bytes=96).gather()  # 96 bytes gathered per chunk
@@ -154,7 +154,7 @@ def _gather_chunks(rank: int, world_size: int) -> dict[str, Any]:
             comm.prefers_point_to_point = real  # type: ignore[assignment]
         ok = all(torch.equal(p, torch.arange(p.numel(), dtype=p.dtype) + 1000 * i) for i, p in enumerate(params))
         longest_fp32 = max(
-            sum(params[i].numel() for i in plan.indices_of(r) if params[i].dtype == torch.float32)
+            sum(params[b.param].numel() for b in plan.blocks_of_rank(r) if params[b.param].dtype == torch.float32)
             for r in range(world_size)
         )
         chunk = 96 // (world_size * 4)  # fp32 elements each rank contributes per collective

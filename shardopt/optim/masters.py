@@ -150,10 +150,6 @@ class MasterWeights:
         """``(index, master)`` pairs, by index."""
         return self._masters.items()
 
-    def stepped(self, index: int, param: torch.Tensor) -> torch.Tensor:
-        """The tensor the shard optimizer steps for ``params[index]``: its master, or itself."""
-        return self._masters.get(index, param)
-
     def rebuild(self, params: Sequence[torch.Tensor], indices: Iterable[int],
                 carried: Mapping[int, torch.Tensor], rows: Mapping[int, tuple[int, int]] | None = None) -> None:
         """Keep masters for ``params[i]``, ``i`` in ``indices`` (this rank's trainable ones).

@@ -88,7 +88,3 @@ class OwnedRows:
         """Drop every view's gradient."""
         for view in self._views.values():
             view.grad = None
-
-    def views(self) -> Iterable[tuple[int, nn.Parameter]]:
-        """``(index, view)`` pairs."""
-        return self._views.items()

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from shardopt import comm
-from shardopt.partition import Partition, SplitPlan
+from shardopt.partition import SplitPlan
 
 __all__ = ["DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_GATHER_BUCKET_BYTES", "ParamGather"]
 
@@ -63,12 +63,8 @@ class _Piece:
         return self.param.detach().view(-1)[self.start : self.stop]
 
 
-def _pieces(params: list[torch.Tensor], plan: Partition | SplitPlan) -> list[tuple[_Piece, int, int]]:
-    """(piece, owner, bytes) of every owned block of ``plan`` (a whole-parameter Partition is
-    one block per parameter)."""
-    if isinstance(plan, Partition):
-        return [(_Piece(p, 0, p.numel()), owner, size)
-                for p, owner, size in zip(params, plan.owners, plan.sizes, strict=True)]
+def _pieces(params: list[torch.Tensor], plan: SplitPlan) -> list[tuple[_Piece, int, int]]:
+    """(piece, owner, bytes) of every block of ``plan`` (a whole parameter is one block)."""
     out = []
     for block in plan.blocks:
         p, rows = params[block.param], plan.rows[block.param]
@@ -112,8 +108,8 @@ class ParamGather:
 
     Args:
         params: the parameters the partition covers, in its order.
-        partition: who owns what: whole parameters (a :class:`~shardopt.partition.Partition`)
-            or row blocks (a :class:`~shardopt.partition.SplitPlan`; each owner sends its rows).
+        partition: who owns which rows (a :class:`~shardopt.partition.SplitPlan`; each owner
+            sends its rows, all of them for a whole parameter).
         rank: this process's rank in ``group``.
         group: the process group.
         bucket_bytes: bytes of one gathered chunk (all ranks' contributions together); the
@@ -127,7 +123,7 @@ class ParamGather:
     def __init__(
         self,
         params: list[torch.Tensor],
-        partition: Partition | SplitPlan,
+        partition: SplitPlan,
         rank: int,
         group: comm.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_GATHER_BUCKET_BYTES,
