@@ -306,10 +306,13 @@ def check_indexed_state(where: str, optimizer: torch.optim.Optimizer, shapes: li
         groups.append({"params": list(range(start, start + size))})
         start += size
     state: dict[int, dict[str, torch.Tensor]] = {}
+    blocks: list[tuple[str, str, torch.Tensor]] = []
     for key, (shape, dtype) in sorted(saved.items(), key=lambda item: int(item[0].split(".", 1)[0].split("@")[0])):
         head, name = key.split(".", 1)
         if "@" in head:  # a block of a split parameter (Note [fragment keys] in shardopt.optim.sharded_entries)
-            _check_block_entry(where, head, name, torch.empty(shape, dtype=dtype, device="meta"), shapes)
+            blocks.append((head, name, torch.empty(shape, dtype=dtype, device="meta")))
             continue
         state.setdefault(int(head), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
     check_optimizer_state(where, optimizer, {"state": state, "param_groups": groups}, shapes)
+    for head, name, value in blocks:
+        _check_block_entry(where, head, name, value, shapes)
