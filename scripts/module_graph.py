@@ -59,6 +59,8 @@ LEVELS: dict[str, int] = {
     "shardopt.nn": 7,  # what both wrappers share (nn/module_checks.py)
     "shardopt.nn.data_parallel": 8, "shardopt.nn.fsdp": 8,  # ZeRO-2 and ZeRO-3: neither imports the other
     "shardopt": 9,  # the package's re-exports
+    # per-parameter gradient norms over every rank, under any stage (reads OSS and both wrappers)
+    "shardopt.param_norms": 9,
     # one rank of N built in one process under torch's fake group (the estimate command's --measure)
     "shardopt.fake_ranks": 9,
     "shardopt.integrations": 10,  # Lightning, Hugging Face: above the library

@@ -3,6 +3,7 @@
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.partition import Partition, partition_by_size
+from shardopt.param_norms import grad_norms
 
 __version__ = "0.1.0"
 
@@ -13,5 +14,6 @@ __all__ = [
     "ShardedDataParallel",
     "ShardedGradScaler",
     "__version__",
+    "grad_norms",
     "partition_by_size",
 ]

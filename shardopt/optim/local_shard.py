@@ -133,9 +133,10 @@ class LocalShard:
         self.owned.link_grads(params)
 
     def after_step(self, params: Sequence[torch.Tensor]) -> None:
-        """Round the masters into the parameters; drop the masters' and views' gradients."""
+        """Round the masters into the parameters and drop their gradients; keep the row views'
+        (Note [split gradients outlive the step] in shardopt.optim.owned_rows)."""
         self.masters.write_back(params)
-        self.owned.free_grads()  # Note [row views] in shardopt.optim.owned_rows
+        self.owned.after_step(params)
 
     def free_grads(self) -> None:
         """Drop the masters' and the row views' gradients."""
