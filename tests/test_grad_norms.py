@@ -125,6 +125,18 @@ def _refusals(rank: int, world_size: int) -> dict[str, str]:
     opt.step()
     out["stepped"] = "yes"
     sdp.close()
+    bf16 = VocabModel(torch.bfloat16)  # fp32 masters: every owned gradient moves to a master
+    opt = OSS(bf16.parameters(), optim=torch.optim.AdamW, lr=1e-3, master_dtype=torch.float32)
+    sdp = ShardedDataParallel(bf16, opt)
+    vocab_loss(sdp, rank, 0).backward()
+    held = [p for p in bf16.parameters() if p.grad is not None]
+    try:
+        torch.stack([p.grad.norm() for p in held])
+        out["masters"] = "no error"
+    except RuntimeError as exc:
+        out["masters"] = str(exc)
+    out["masters_norms"] = str(sorted(grad_norms(bf16)))
+    sdp.close()
     return out
 
 
@@ -134,6 +146,8 @@ def test_a_held_gradient_refuses_to_be_read_naming_grad_holder_grad_norms_and_sh
         for what in ("norm", "sum", "mul_", "isfinite"):
             assert "grad_holder(param).grad" in out[what] and "shardopt.grad_norms" in out[what], (what, out[what])
         assert "ShardedGradScaler" in out["unscale"] and "GradScaler.unscale_" in out["unscale"], out["unscale"]
+        assert "grad_holder(param).grad" in out["masters"], out["masters"]  # not zeros from a placeholder
+        assert out["masters_norms"] == str(sorted(n for n, _ in VocabModel().named_parameters())), out["masters_norms"]
 
 
 def _bad_norm_type(rank: int, world_size: int) -> str:
