@@ -14,8 +14,9 @@ the step: on its owner the reduced sum goes into the master's fp32 ``.grad``, an
 walks ``param.grad`` only, so by itself it would not see either, and a later step would add
 gradients the user had discarded. So where such a gradient is held elsewhere, a placeholder
 is left in ``param.grad``: zeros of the parameter's shape expanded from one element (2
-bytes), which refuse to be read (Note [placeholders refuse to be read]). Before the held gradient is used or added to (the next backward reaching the
-parameter, the reduction, the step), the placeholder is checked: still there and untouched,
+bytes), which refuse to be read (Note [placeholders refuse to be read]). Before the held
+gradient is used or added to (the next backward reaching the parameter, the reduction, the
+step), the placeholder is checked: still there and untouched,
 the held gradient stands and the placeholder is removed; gone (``zero_grad(set_to_none=True)``)
 or zeroed in place (``set_to_none=False``, its version counter moved), the held gradient is
 dropped, as a zeroed ``.grad`` would have been; a new tensor there is a new local gradient.
@@ -28,8 +29,9 @@ norm logging, ``wandb.watch``, a custom clip, a finite check, torch's ``GradScal
 silently saw 0 for exactly the parameters that hold the most (a split embedding: shape (512,
 16), stride (0, 0), sum 0.0 on every rank). Now it is a :class:`HeldElsewhere` tensor whose
 ``__torch_function__`` lets through only what ``zero_grad`` does to a gradient (``zero_``,
-``requires_grad_``, ``detach_``, ``torch._foreach_zero_``) and metadata (shape, dtype,
-device, ``_version``, ``numel``...); every other operation raises a ``RuntimeError`` saying
+``requires_grad_``, ``detach_``, ``torch._foreach_zero_``), what ``module.to()``/``.cpu()``/
+``.half()`` do to every ``.grad`` (a Lightning teardown moves the model), and metadata (shape,
+dtype, device, ``_version``, ``numel``...); every other operation raises a ``RuntimeError`` saying
 where the gradient is (``OSS.grad_holder(param).grad``, this rank's rows) and how to get
 per-parameter norms over every rank (:func:`shardopt.grad_norms`); torch's
 ``GradScaler.unscale_`` is told to use ``ShardedGradScaler``. Autograd never sees a
@@ -47,9 +49,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["HeldElsewhere", "is_placeholder", "leave_placeholder", "take_placeholder"]
 
 # What zero_grad does to a gradient (torch.optim.Optimizer's and nn.Module's, set_to_none=False),
-# and reads of metadata: allowed on a placeholder (Note [placeholders refuse to be read]).
+# what nn.Module._apply does to every .grad (module.cpu(), .to(), .half(), .to_empty(),
+# .share_memory()), and reads of metadata: allowed on a placeholder (Note [placeholders refuse
+# to be read]).
 _ALLOWED = frozenset({
     torch.Tensor.zero_, torch.Tensor.requires_grad_, torch.Tensor.detach_, torch._foreach_zero_,
+    torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.type, torch.Tensor.float, torch.Tensor.half,
+    torch.Tensor.bfloat16, torch.Tensor.double, torch.Tensor.share_memory_, torch.Tensor.pin_memory, torch.empty_like,
+    torch._has_compatible_shallow_copy_type,
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.element_size,
     torch.Tensor.is_contiguous, torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.storage_offset,
     torch.Tensor.__hash__,
@@ -68,7 +75,7 @@ class HeldElsewhere(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         raise RuntimeError(_refusal(func, _first_placeholder(args, kwargs)))
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's is untyped
         with torch._C.DisableTorchFunctionSubclass():
             shape, dtype = tuple(self.shape), self.dtype
         return f"HeldElsewhere(shape={shape}, dtype={dtype}: this gradient is held by shardopt.optim.OSS.grad_holder)"

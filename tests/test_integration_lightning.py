@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import shardopt
+
 L = pytest.importorskip("lightning.pytorch")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -53,8 +55,10 @@ class Tiny(L.LightningModule):
         return F.mse_loss(self(x).float(), y)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.max_norm_seen = max(self.max_norm_seen, torch.nn.utils.get_total_norm(grads).item())
+        # per-parameter norms over every rank, under any strategy (a ZeRO-2 rank holds only its gradients)
+        norms = list(shardopt.grad_norms(self).values())
+        total = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+        self.max_norm_seen = max(self.max_norm_seen, total)
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(
@@ -131,6 +135,7 @@ def _fp32(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
                 model, trainer = _fit(mode, tmp, clip=clip)
             key = f"{clip}/{mode}"
             out[key] = max_abs_diff(_params(model), _params(ref))
+            out[f"{key}/max_norm_seen"] = model.max_norm_seen
             if mode.startswith("zero3") and clip:  # Note [fed clip norms]
                 fed, _ = _fit("ddp", tmp, clip=clip, fed_norms=norms)
                 out[f"{key}/fed"] = max_abs_diff(_params(model), _params(fed))
@@ -152,6 +157,10 @@ def test_zero1_zero2_zero3_train_like_ddp_with_accumulation_clipping_and_schedul
         results = run_ranks(_fp32, 2, tmp, timeout_s=240)
     for out in results:
         assert out[f"{CLIP}/max_norm_seen"] > 5 * CLIP, out  # clipping is active every step
+        for mode in ("zero1", "zero2", "zero3", "zero3_units"):  # shardopt.grad_norms under every strategy
+            # the norm of per-parameter norms: split and ZeRO-3 rows are summed per block (within rounding)
+            seen, want = out[f"{CLIP}/{mode}/max_norm_seen"], out[f"{CLIP}/max_norm_seen"]
+            assert abs(seen - want) <= 1e-5 * want, (mode, seen, want)
         for key in [k for k in out if k.endswith("/plain")]:
             assert out[key], (key, out)
             assert out[key.replace("/plain", "/precision")] == "ShardedPrecision"
