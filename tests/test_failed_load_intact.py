@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardopt import checkpoint
+from shardopt import checkpoint, files
 from shardopt.nn import FullyShardedDataParallel as FSDP
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
@@ -164,16 +164,17 @@ def test_temp_file_of_a_killed_save_is_removed_by_the_next_save_or_load_in_its_f
     if dead == 0:
         os._exit(0)
     os.waitpid(dead, 0)  # a pid that is surely gone: the save that wrote the file was killed
-    stray = tmp_path / f".old.pt.tmp-{dead}"
+    stray = tmp_path / f".old.pt.tmp-{files.writer_tag()}-{dead}"
     stray.write_bytes(b"x" * 1024)
-    live = tmp_path / f".busy.pt.tmp-{os.getpid()}"  # a save still running: left alone
+    live = tmp_path / f".busy.pt.tmp-{files.writer_tag()}-{os.getpid()}"  # a save still running: left alone
     live.write_bytes(b"y")
     listing = run_ranks(_save_then_load, 2, str(tmp_path), kind, timeout_s=60)[0]
     assert stray.name not in listing and live.name in listing, listing
 
 
 def test_a_temp_file_is_never_read_as_a_checkpoint(tmp_path: Path) -> None:
-    path = tmp_path / f".ck.pt.tmp-{os.getpid()}"
-    path.write_bytes(b"partial")
-    with pytest.raises(ValueError, match="is the temporary file of an unfinished save, not a checkpoint"):
-        checkpoint.load_consolidated(str(path), seeded_mlp(), None)
+    for name in (f".ck.pt.tmp-{files.writer_tag()}-{os.getpid()}", f".ck.pt.tmp-{os.getpid()}"):  # older names too
+        path = tmp_path / name
+        path.write_bytes(b"partial")
+        with pytest.raises(ValueError, match="is the temporary file of an unfinished save, not a checkpoint"):
+            checkpoint.load_consolidated(str(path), seeded_mlp(), None)
