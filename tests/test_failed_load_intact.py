@@ -1,8 +1,8 @@
 """A load that does not fit changes nothing, at every entry point (Note [checkpoint integrity]).
 
 Each entry point gets a file of another model (same names, other shapes), and the
-consolidated and ZeRO-3 paths also a file of a model with other names ("this file is from a
-different model") and one holding a dtype the model cannot take (complex into float). Model
+consolidated and ZeRO-3 paths also a file of a model with other names ("appears to be of another
+model") and one holding a dtype the model cannot take (complex into float). Model
 and optimizer must be bit-identical afterwards. Before, ``FullyShardedDataParallel.load_state_dict``
 copied what fitted and raised afterwards, leaving a half-loaded model. Temporary files of a
 killed save are removed by the next save or load in their folder and never read as a
@@ -122,14 +122,14 @@ def _every_entry_point(rank: int, world_size: int, folder: str) -> dict[str, tup
 
 EXPECTED = {
     "load_consolidated": "'0.weight' has shape (24, 8) in the checkpoint but (16, 8) in the model",
-    "load_consolidated, other model": "this file is from a different model",
+    "load_consolidated, other model": "appears to be of another model: none of its",
     "load_consolidated, complex": "'0.weight' is torch.complex64 in the checkpoint but torch.float32 in the model",
     "load_sharded": "'0.weight' has shape (24, 8) in the checkpoint but (16, 8) in the model",
     "OSS.load_state_dict": "shape",
     "load_consolidated into FSDP": "'0.weight' has shape (24, 8) in the checkpoint but (16, 8) in the model",
     "load_sharded into FSDP": "'0.weight' has shape (192,) in the checkpoint but (128,) in the model",  # flat
     "FSDP.load_state_dict": "'0.weight' has shape (24, 8) in the checkpoint but (16, 8) in the model",
-    "FSDP.load_state_dict, other model": "this file is from a different model",
+    "FSDP.load_state_dict, other model": "appears to be of another model: none of its",
     "FSDP.load_state_dict, complex": "'0.weight' is torch.complex64 in the checkpoint but torch.float32",
     "FSDP.load_sharded_state_dict": "the sharded state dict does not fit this model (e.g. a piece of shape (3,)",
 }
