@@ -310,7 +310,7 @@ def _stopped_under_a_short_timeout(rank: int, store: str, path: str) -> None:
     try:
         _train(sdp, opt, rank, 1)
         values: dict[str, Any] = {"error": None}
-    except BaseException as exc:
+    except Exception as exc:  # noqa: BLE001 - the CollectiveError this test is about, whatever it is
         values = {"error": str(exc), "kind": type(exc).__name__}
     values["seconds"] = time.monotonic() - start
     Path(path, f"rank{rank}.json").write_text(json.dumps(values))

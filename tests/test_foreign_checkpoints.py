@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch

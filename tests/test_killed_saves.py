@@ -183,6 +183,7 @@ def test_leftovers_of_live_saves_stay_and_those_that_cannot_be_checked_are_named
         warnings.simplefilter("ignore")
         checkpoint.load_consolidated(str(tmp_path / "ck.pt"), seeded_mlp())
     assert not any(p.exists() for p in running)
+    assert files.tidy(str(tmp_path)) == files.Tidied((), tuple(sorted(str(p) for p in elsewhere + older)))
 
 
 def test_a_temp_name_is_read_back_whatever_the_host_name() -> None:
