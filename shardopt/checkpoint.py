@@ -4,7 +4,8 @@ Consolidated (:func:`save_consolidated` / :func:`load_consolidated`): one file h
 model's full ``state_dict``, a plain ``torch.optim`` optimizer state dict (consolidated onto
 rank 0 first when the optimizer or the model is sharded) and a small ``extra`` dict (step
 counter, scaler state, ...). It loads at any world size and without shardopt. Rank 0 writes
-it atomically (Note [atomic writes] in :mod:`shardopt.files`).
+it atomically (Note [atomic writes] in :mod:`shardopt.files`); what a killed save leaves is
+removed by the next save or load in its folder (Note [leftovers of killed saves] there).
 
 Sharded (:func:`save_sharded` / :func:`load_sharded`): a folder written by
 ``torch.distributed.checkpoint`` (``dcp.save``) in which every rank writes only what it
@@ -43,8 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardopt import comm, failures
 from shardopt.failures import CollectiveError
-from shardopt.files import (SHARDED_MARKER, atomic_write, check_writable, is_temp_name, remove_path,
-                            remove_stale_temps_in, staging_paths, swap_in)
+from shardopt.files import (SHARDED_MARKER, atomic_write, check_writable, is_temp_name, old_path, remove_path,
+                            staging_path, swap_in, tidy)
 from shardopt.state_checks import (MASTER_KEY, assign_writers, check_indexed_state, check_model_state,
                                    check_optimizer_state, checksums, dtypes, meta_crc, shapes, verify)
 
@@ -247,15 +248,17 @@ def _with_master_weights(model_state: dict[str, Any], module: nn.Module, params:
     return out
 
 
-def _tidy(path: str) -> None:  # at the start of every save and load: files.remove_stale_temps_in
+def _tidy(path: str) -> None:
+    """At the start of every save and load, on rank 0 (which alone writes temporary files and
+    staging folders): Note [leftovers of killed saves] in shardopt.files."""
     if _rank() == 0:
-        remove_stale_temps_in(os.path.dirname(os.path.abspath(path)))
+        tidy(os.path.dirname(os.path.abspath(path)))
 
 
 def _read_consolidated(path: str) -> dict[str, Any]:
     if is_temp_name(path):
         raise ValueError(f"{path!r} is the temporary file of an unfinished save, not a checkpoint; load the file "
-                         "named without the leading '.' and '.tmp-PID'")
+                         "named without the leading '.' and the '.tmp-...' suffix")
     _tidy(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file at {path!r}; save one first with save_consolidated")
@@ -376,8 +379,9 @@ def save_sharded(
     replicated tensors are written once; non-tensor values, hyperparameters, group sizes,
     checksums (Note [checkpoint integrity] in shardopt.state_checks) and ``extra`` go to a metadata file; then rank 0
     swaps the finished folder in (Note [sharded save staging] in shardopt.files). A failed or killed save
-    leaves the previous ``path`` untouched and no staging folder behind once the next save
-    has run.
+    leaves the previous ``path`` untouched; the staging folder of a killed one is removed by
+    the next save or load in that folder once its writer is gone, or named in a warning
+    where that cannot be checked (Note [leftovers of killed saves] in shardopt.files).
 
     Args:
         path: the folder to write (replaced when it is a shardopt checkpoint; must be on a
@@ -394,10 +398,10 @@ def save_sharded(
     path = os.path.abspath(path)
     check_writable(path, sharded=True)
     _tidy(path)
-    staging, _ = staging_paths(path)
-    if _rank() == 0:
-        remove_path(staging)  # left by a save that was killed
-    _barrier()
+    # Named after rank 0's process (Note [sharded save staging] in shardopt.files); handing
+    # the name over also keeps the other ranks from writing before rank 0 has tidied.
+    staging = staging_path(path) if _rank() == 0 else ""
+    staging = comm.broadcast_object(staging, 0, None) if _world() > 1 else staging
     kind, state, values = _encode(model, optimizer)
     try:
         sums = checksums(state.get("optim") if kind == "oss" else None, "/optim")
@@ -424,7 +428,7 @@ def save_sharded(
             }
             meta["meta_crc"] = meta_crc(meta)
             atomic_write(os.path.join(staging, _META_FILE), lambda f: torch.save(meta, f))
-            swap_in(staging, path, staging_paths(path)[1])
+            swap_in(staging, path, old_path(path))
             logger.info("wrote sharded checkpoint %s", path)
     except BaseException:
         if _rank() == 0:
@@ -436,7 +440,7 @@ def save_sharded(
 def _read_meta(path: str) -> dict[str, Any]:
     meta_path = os.path.join(path, _META_FILE)
     if not os.path.isfile(meta_path):
-        old = staging_paths(path)[1]
+        old = old_path(path)
         if not os.path.exists(path) and os.path.isfile(os.path.join(old, _META_FILE)):
             raise FileNotFoundError(f"no sharded checkpoint at {path!r}: a save was killed while replacing it and "
                                     f"the previous checkpoint is in {old!r}; rename that folder to {path!r}")

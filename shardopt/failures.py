@@ -67,11 +67,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "describe", "is_fake_group", "report_failure"]
+__all__ = ["CollectiveError", "describe", "is_fake_group", "report_failure", "stopped_words"]
 
 WATCH_SLICE_S = 0.5
 """How long a gloo wait blocks before it reads the board again."""
@@ -93,12 +94,18 @@ class CollectiveError(RuntimeError):
         failed: ranks that reported a failure of their own, with their messages.
         left: ranks that reported nothing (exited, killed, or stuck elsewhere).
         cause: the backend's own first line.
+        last: for ranks of ``left``, their last known collective in words (the flight
+            recorder's, Note [flight recorder] in ``flight``).
+        stalled: ranks of ``left`` whose heartbeat stood still while this rank waited, and
+            for how many seconds it was seen still (stopped, not exited).
     """
 
     def __init__(self, rank: int, label: str, failed: dict[int, str], left: list[int], cause: str,
-                 hint: str = "", why: str = "") -> None:
+                 hint: str = "", why: str = "", last: Mapping[int, str] | None = None,
+                 stalled: Mapping[int, float] | None = None) -> None:
         what = describe(label)
         self.why = why
+        self.last, self.stalled = dict(last or {}), dict(stalled or {})
         if why:  # the flight recorder found where the ranks are (Note [flight recorder])
             super().__init__(f"[rank {rank}] {what} did not complete: {why}")
             self.rank, self.label, self.failed, self.left, self.cause = rank, label, failed, left, cause
@@ -110,8 +117,7 @@ class CollectiveError(RuntimeError):
             if others:
                 why += f" (ranks {others} failed too)"
         elif left:
-            why = (f"rank {left[0]} left" + (f" (and ranks {left[1:]})" if left[1:] else "")
-                   + " without a report: it exited, was killed or is stuck outside this collective")
+            why = _left_words(left, self.last, self.stalled)
         else:
             why = "a rank reported an error in the same collective"
         # Once a rank has said why it failed, the transport's words for the broken connection
@@ -125,7 +131,28 @@ class CollectiveError(RuntimeError):
         that already names where the ranks are)."""
         if self.why:
             return self
-        return CollectiveError(self.rank, self.label, self.failed, self.left, self.cause, hint)
+        return CollectiveError(self.rank, self.label, self.failed, self.left, self.cause, hint, last=self.last,
+                               stalled=self.stalled)
+
+
+def stopped_words(rank: int, seconds: float, where: str) -> str:
+    """Why a rank whose heartbeat stood still for ``seconds`` holds the others up, and the fix
+    (Note [flight recorder] in ``flight``); ``where``: its last known collective, in words."""
+    return (f"rank {rank} stopped progressing: its heartbeat has not moved for {seconds:.1f} s (the process was "
+            f"stopped, e.g. SIGSTOP, or its machine froze); its last known collective is {where}. Resume or restart "
+            "that rank")
+
+
+def _left_words(left: list[int], last: Mapping[int, str], stalled: Mapping[int, float]) -> str:
+    """The ranks that left without a report, a stopped one first, each with what is known of it."""
+    first = next((r for r in left if r in stalled), left[0])
+    others = [r for r in left if r != first]
+    if first in stalled:
+        return stopped_words(first, stalled[first], last.get(first, "not known")) + (
+            f" (ranks {others} left without a report too)" if others else "")
+    why = (f"rank {first} left" + (f" (and ranks {others})" if others else "")
+           + " without a report: it exited, was killed or is stuck outside this collective")
+    return why + (f"; its last known collective is {last[first]}" if first in last else "")
 
 
 def describe(label: str) -> str:

@@ -22,9 +22,15 @@ complete on time:
   :class:`~shardopt.failures.CollectiveError` naming that rank, where it is and the likely
   cause, and reports it on the failure board so every other waiting rank ends too;
 * a peer whose heartbeat has not moved for :data:`STALE_S` stopped progressing (SIGSTOP,
-  a frozen machine): it is named with its last known collective (the last one its last
-  beat carried: up to :data:`BEAT_S` old, as writing on every launch would cost a store
-  write per collective).
+  a frozen machine): it is named with its last known collective (where it waits, if it
+  published that, else the last one its last beat carried: up to :data:`BEAT_S` old, as
+  writing on every launch would cost a store write per collective);
+* a wait that the backend ends first (the group's timeout, e.g. 6 s, shorter than
+  :data:`GRACE_S` + :data:`STALE_S`) names the ranks that left without a report in the
+  same way (:func:`explain_left`): each with its last known collective, and as stopped
+  when this wait saw its heartbeat stand still for :data:`STOPPED_AFTER_S` or more (a
+  live rank beats every :data:`BEAT_S`). Before, such a wait said only "rank 1 left
+  without a report", whether the rank had died or merely stopped, and not where it was.
 
 A peer that is alive and not (yet) in a collective is slow, not wrong: the wait goes on.
 Sequence numbers of peers in different collectives agree, because a point-to-point
@@ -49,12 +55,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
 from shardopt import failures
 
-__all__ = ["BEAT_S", "GRACE_S", "STALE_S", "Position", "Watch", "note_launch"]
+__all__ = ["BEAT_S", "GRACE_S", "STALE_S", "STOPPED_AFTER_S", "Position", "Watch", "explain_left", "note_launch"]
 
 GRACE_S = 2.0
 """How long a gloo wait runs before this rank publishes where it is and reads the others."""
@@ -62,6 +69,9 @@ BEAT_S = 1.0
 """Heartbeat period."""
 STALE_S = 8.0
 """A peer whose heartbeat has not moved for this long stopped progressing."""
+STOPPED_AFTER_S = 3 * BEAT_S
+"""Once the backend has ended a wait (its timeout), a rank that left without a report and
+whose heartbeat this wait saw stand still this long is named as stopped (three missed beats)."""
 
 _FLIGHT = "shardopt/flight/"
 _BEAT = "shardopt/beat/"
@@ -206,9 +216,19 @@ class Watch:
 
     def _read(self, key: str) -> str:
         assert self._store is not None
-        if not self._store.check([key]):
-            return ""
-        return bytes(self._store.get(key)).decode()
+        return _read(self._store, key)
+
+    def still_for(self, peer: int) -> float:
+        """How long this wait has seen ``peer``'s heartbeat stand still, up to now (0 when it
+        moved since it was last read, or was never read)."""
+        if self._store is None or peer not in self._beats:
+            return 0.0
+        try:
+            beat = self._read(f"{_BEAT}{peer}")
+        except Exception:  # the store went with a peer
+            return 0.0
+        seen, since = self._beats[peer]
+        return time.monotonic() - since if beat == seen else 0.0
 
     def problem(self) -> str | None:
         """Why the wait cannot complete, in words, or ``None`` while it still may."""
@@ -261,9 +281,50 @@ class Watch:
             return None
         if now - last[1] < STALE_S:
             return None
-        _, seq, label = ([*beat.split("|", 2), "", ""])[:3] if beat else ("", "-1", "")
-        where = (other.words() if other is not None else
-                 f"{failures.describe(label)} #{seq}" if label else "no collective yet")
-        return (f"rank {peer} stopped progressing: its heartbeat has not moved for {now - last[1]:.1f} s (the process "
-                f"was stopped, e.g. SIGSTOP, or its machine froze); its last known collective is {where}. Resume or "
-                "restart that rank")
+        return failures.stopped_words(peer, now - last[1], _where(other, beat))
+
+
+def _read(store: Any, key: str) -> str:
+    if not store.check([key]):
+        return ""
+    return bytes(store.get(key)).decode()
+
+
+def _where(position: Position | None, beat: str) -> str:
+    """A rank's last known collective in words: where it waits, else what its last beat carried."""
+    if position is not None:
+        return position.words()
+    _, seq, label = ([*beat.split("|", 2), "", ""])[:3] if beat else ("", "-1", "")
+    return f"{failures.describe(label)} #{seq}" if label else "no collective yet"
+
+
+def explain_left(error: failures.CollectiveError, watch: Watch | None) -> failures.CollectiveError:
+    """``error`` with what the flight recorder knows of the ranks that left without a report.
+
+    Called when the backend ended a wait (a timeout, a closed connection) and no rank
+    reported a failure: each rank of ``error.left`` gets its last known collective, and
+    one whose heartbeat ``watch`` (this wait's, if it lasted past :data:`GRACE_S`) saw
+    stand still for :data:`STOPPED_AFTER_S` or more is named as stopped (Note [flight
+    recorder]).
+
+    Args:
+        error: the error :func:`shardopt.failures.collective_error` built.
+        watch: this wait's watch, or ``None`` when it ended before the grace.
+
+    Returns:
+        The error to raise (``error`` itself when there is nothing to add).
+    """
+    store = failures.default_store()
+    if not error.left or error.failed or error.why or store is None or failures.is_fake_group():
+        return error
+    last: dict[int, str] = {}
+    stalled: dict[int, float] = {}
+    for peer in error.left:
+        try:
+            last[peer] = _where(Position.decode(_read(store, f"{_FLIGHT}{peer}")), _read(store, f"{_BEAT}{peer}"))
+        except Exception:  # the store went with a peer: nothing more is known
+            continue
+        still = watch.still_for(peer) if watch is not None else 0.0
+        if still >= STOPPED_AFTER_S:
+            stalled[peer] = still
+    return failures.CollectiveError(error.rank, error.label, {}, error.left, error.cause, last=last, stalled=stalled)

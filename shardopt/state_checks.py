@@ -36,6 +36,17 @@ optimizer state, and dcp's balancing then leaves the model's replicated tensors 
 the other ranks. A consolidated save consolidates only in the shard group of rank 0 (the
 other groups would gather the same state for nothing). A load needs no such care: every rank
 reads the entries it owns under its own plan, at any shard size.
+
+Note [foreign checkpoints]
+A checkpoint of another model (another run's file, the wrong folder) shares few or none of
+the model's names. Listing them as "missing" and "unexpected" and counting the shared ones
+("only 0 of its 6 names ...") left the reader to work out what the file was. So when fewer
+than half of the larger side's names are shared, :func:`check_model_state` says that the
+checkpoint appears to be of another model, shows the first names on each side and the fix;
+when every name differs only by a prefix ending in "." (a model saved inside DDP,
+"module.", or torch.compile, "_orig_mod.", or loaded into one) it names the prefix and
+where to load instead. A partial mismatch (a layer added or renamed) keeps the list of
+missing and unexpected names.
 """
 
 from __future__ import annotations
@@ -158,6 +169,12 @@ def check_model_state(where: str, expected: Mapping[str, torch.Size | None],
     float into a float of any width, an int into a float; not a float into an int, nor a
     complex into a real). With ``strict=False`` missing and unexpected names are allowed
     (as ``nn.Module.load_state_dict(strict=False)``); shapes and dtypes are checked anyway.
+
+    A checkpoint that shares few or none of the model's names gets its own message
+    (Note [foreign checkpoints]).
+
+    Raises:
+        ValueError: names (with ``strict``), shapes or dtypes that do not fit.
     """
     common = [k for k in expected if k in saved]
     missing = [k for k in expected if k not in saved] if strict else []
@@ -168,17 +185,55 @@ def check_model_state(where: str, expected: Mapping[str, torch.Size | None],
                   if expected_dtypes is not None and saved_dtypes is not None
                   and (src := saved_dtypes.get(k)) is not None and (dst := expected_dtypes.get(k)) is not None
                   and not torch.can_cast(src, dst)]
+    if missing and unexpected and 2 * len(common) < max(len(expected), len(saved)):
+        raise ValueError(_another_model(where, list(expected), list(saved), len(common)))
     if missing or unexpected or wrong or uncastable:
         parts = ([f"missing {missing[:5]}"] if missing else []) + ([f"unexpected {unexpected[:5]}"] if unexpected else [])
         parts += [f"{k!r} has shape {a} in the checkpoint but {b} in the model" for k, a, b in wrong[:3]]
         parts += [f"{k!r} is {a} in the checkpoint but {b} in the model, which it cannot be cast to"
                   for k, a, b in uncastable[:3]]
-        other = ""
-        if missing and unexpected and 2 * len(common) < max(len(expected), len(saved)):
-            other = (f"this file is from a different model: only {len(common)} of its {len(saved)} names are "
-                     "names of this model; ")
-        raise ValueError(f"checkpoint {where} does not fit this model ({other}{'; '.join(parts)}); load it into the "
+        raise ValueError(f"checkpoint {where} does not fit this model ({'; '.join(parts)}); load it into the "
                          "model it was saved from (same architecture and configuration). Nothing was loaded")
+
+
+def _added_prefix(short: list[str], long: list[str]) -> str | None:
+    """The prefix ``p`` (ending in ".") with ``long`` exactly ``p + name`` for each of ``short``, if any."""
+    if not short or len(short) != len(long):
+        return None
+    for name in short:
+        if long[0].endswith("." + name):
+            prefix = long[0][:-len(name)]
+            if {prefix + k for k in short} == set(long):
+                return prefix
+    return None
+
+
+def _first(names: list[str]) -> str:
+    more = len(names) - 3
+    return ", ".join(repr(k) for k in names[:3]) + (f" and {more} more" if more > 0 else "")
+
+
+def _another_model(where: str, ours: list[str], theirs: list[str], common: int) -> str:
+    """Few or none of the saved names are the model's (Note [foreign checkpoints])."""
+    wrapped = _added_prefix(ours, theirs)
+    if wrapped is not None:
+        return (f"checkpoint {where} does not fit this model: its names are this model's with {wrapped!r} in front "
+                f"(e.g. {theirs[0]!r} for {ours[0]!r}), so it was saved from this model inside a wrapper (DDP adds "
+                "'module.', torch.compile '_orig_mod.'); load it into the same wrapper, or save the unwrapped model "
+                "(e.g. ddp.module). Nothing was loaded")
+    wrapper = _added_prefix(theirs, ours)
+    if wrapper is not None:
+        return (f"checkpoint {where} does not fit this model: this model's names are the checkpoint's with "
+                f"{wrapper!r} in front (e.g. {ours[0]!r} for {theirs[0]!r}), so this model is inside a wrapper; load "
+                "it into the module inside (e.g. ddp.module, or compiled._orig_mod). Nothing was loaded")
+    seen = set(ours)
+    only_theirs = [k for k in theirs if k not in seen]
+    only_ours = [k for k in ours if k not in set(theirs)]
+    matched = f"none of its {len(theirs)} names is" if common == 0 else f"only {common} of its {len(theirs)} names are"
+    return (f"checkpoint {where} appears to be of another model: {matched} among this model's {len(ours)} (the "
+            f"checkpoint's first names: {_first(only_theirs)}; this model's: {_first(only_ours)}). Load it into the "
+            "model it was saved from (same architecture and configuration), or give this model a checkpoint saved "
+            "from it. Nothing was loaded")
 
 
 def check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: Any,

@@ -96,8 +96,9 @@ def wait_beside(work: Any, label: str, position: Callable[[], flight.Position] |
     ``None`` for a wait the recorder cannot place).
 
     Raises:
-        CollectiveError: the work failed, a rank reported a failure, or the flight recorder
-            found a rank elsewhere or stopped.
+        CollectiveError: the work failed (naming the ranks that left without a report with
+            their last known collective, as stopped where their heartbeat stood still), a
+            rank reported a failure, or the flight recorder found a rank elsewhere or stopped.
     """
     ticket = _WAITER.submit(work)
     watch: flight.Watch | None = None
@@ -121,4 +122,7 @@ def wait_beside(work: Any, label: str, position: Callable[[], flight.Position] |
     if ticket.error is not None:
         if not isinstance(ticket.error, RuntimeError):
             raise ticket.error
-        raise failures.collective_error(label, ticket.error) from ticket.error
+        # The backend ended the wait (its timeout, a closed connection): name the ranks that
+        # left without a report by what the recorder knows (Note [flight recorder] in flight).
+        error = failures.collective_error(label, ticket.error)
+        raise (flight.explain_left(error, watch) if position is not None else error) from ticket.error

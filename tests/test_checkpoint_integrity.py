@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardopt import checkpoint, comm
+from shardopt import checkpoint, comm, files
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
 from tests.helpers.data import rank_batch, seeded_mlp
@@ -347,7 +347,11 @@ def test_failed_sharded_save_removes_its_staging_folder_and_keeps_the_previous_o
 
 
 def test_staging_folder_left_by_a_killed_sharded_save_is_removed_by_the_next_save(tmp_path: Any) -> None:
-    stale = tmp_path / ".ck.shardopt-staging"
+    gone = os.fork()
+    if gone == 0:
+        os._exit(0)
+    os.waitpid(gone, 0)  # rank 0 of the killed save
+    stale = tmp_path / f".ck.shardopt-staging-{files.writer_tag()}-{gone}"
     stale.mkdir()
     (stale / "__0_0.distcp").write_bytes(b"half a checkpoint")
     checkpoint.save_sharded(str(tmp_path / "ck"), seeded_mlp(), None, {"step": 1})

@@ -1,8 +1,8 @@
 """A load that does not fit changes nothing, at every entry point (Note [checkpoint integrity]).
 
 Each entry point gets a file of another model (same names, other shapes), and the
-consolidated and ZeRO-3 paths also a file of a model with other names ("this file is from a
-different model") and one holding a dtype the model cannot take (complex into float). Model
+consolidated and ZeRO-3 paths also a file of a model with other names ("appears to be of another
+model") and one holding a dtype the model cannot take (complex into float). Model
 and optimizer must be bit-identical afterwards. Before, ``FullyShardedDataParallel.load_state_dict``
 copied what fitted and raised afterwards, leaving a half-loaded model. Temporary files of a
 killed save are removed by the next save or load in their folder and never read as a
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardopt import checkpoint
+from shardopt import checkpoint, files
 from shardopt.nn import FullyShardedDataParallel as FSDP
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
@@ -122,14 +122,14 @@ def _every_entry_point(rank: int, world_size: int, folder: str) -> dict[str, tup
 
 EXPECTED = {
     "load_consolidated": "'0.weight' has shape (24, 8) in the checkpoint but (16, 8) in the model",
-    "load_consolidated, other model": "this file is from a different model",
+    "load_consolidated, other model": "appears to be of another model: none of its",
     "load_consolidated, complex": "'0.weight' is torch.complex64 in the checkpoint but torch.float32 in the model",
     "load_sharded": "'0.weight' has shape (24, 8) in the checkpoint but (16, 8) in the model",
     "OSS.load_state_dict": "shape",
     "load_consolidated into FSDP": "'0.weight' has shape (24, 8) in the checkpoint but (16, 8) in the model",
     "load_sharded into FSDP": "'0.weight' has shape (192,) in the checkpoint but (128,) in the model",  # flat
     "FSDP.load_state_dict": "'0.weight' has shape (24, 8) in the checkpoint but (16, 8) in the model",
-    "FSDP.load_state_dict, other model": "this file is from a different model",
+    "FSDP.load_state_dict, other model": "appears to be of another model: none of its",
     "FSDP.load_state_dict, complex": "'0.weight' is torch.complex64 in the checkpoint but torch.float32",
     "FSDP.load_sharded_state_dict": "the sharded state dict does not fit this model (e.g. a piece of shape (3,)",
 }
@@ -164,16 +164,17 @@ def test_temp_file_of_a_killed_save_is_removed_by_the_next_save_or_load_in_its_f
     if dead == 0:
         os._exit(0)
     os.waitpid(dead, 0)  # a pid that is surely gone: the save that wrote the file was killed
-    stray = tmp_path / f".old.pt.tmp-{dead}"
+    stray = tmp_path / f".old.pt.tmp-{files.writer_tag()}-{dead}"
     stray.write_bytes(b"x" * 1024)
-    live = tmp_path / f".busy.pt.tmp-{os.getpid()}"  # a save still running: left alone
+    live = tmp_path / f".busy.pt.tmp-{files.writer_tag()}-{os.getpid()}"  # a save still running: left alone
     live.write_bytes(b"y")
     listing = run_ranks(_save_then_load, 2, str(tmp_path), kind, timeout_s=60)[0]
     assert stray.name not in listing and live.name in listing, listing
 
 
 def test_a_temp_file_is_never_read_as_a_checkpoint(tmp_path: Path) -> None:
-    path = tmp_path / f".ck.pt.tmp-{os.getpid()}"
-    path.write_bytes(b"partial")
-    with pytest.raises(ValueError, match="is the temporary file of an unfinished save, not a checkpoint"):
-        checkpoint.load_consolidated(str(path), seeded_mlp(), None)
+    for name in (f".ck.pt.tmp-{files.writer_tag()}-{os.getpid()}", f".ck.pt.tmp-{os.getpid()}"):  # older names too
+        path = tmp_path / name
+        path.write_bytes(b"partial")
+        with pytest.raises(ValueError, match="is the temporary file of an unfinished save, not a checkpoint"):
+            checkpoint.load_consolidated(str(path), seeded_mlp(), None)

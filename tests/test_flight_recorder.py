@@ -10,9 +10,11 @@ what it caught to a file, because the failing ranks make ``run_ranks`` raise.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -289,3 +291,70 @@ def test_the_same_collective_with_other_sizes_is_named_not_a_gloo_abort(tmp_path
     assert "the ranks' models or settings differ" in str(info.value)
     for rank in range(2):
         assert float((tmp_path / f"rank{rank}.txt").read_text()) < BOUND_S
+
+
+SHORT_TIMEOUT_S = 6.0  # the group's own timeout ends the wait before the heartbeat bound (2 s + 8 s)
+
+
+def _stopped_under_a_short_timeout(rank: int, store: str, path: str) -> None:
+    """One rank of a 2-rank gloo group with a 6 s timeout; rank 1 stops itself (SIGSTOP)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store, 2), rank=rank,
+                                         world_size=2, timeout=timedelta(seconds=SHORT_TIMEOUT_S))
+    sdp, opt = _sdp(rank)
+    _train(sdp, opt, rank, 0)
+    if rank == 1:
+        time.sleep(2 * flight.BEAT_S)  # a beat after the last collective (beats lag by up to BEAT_S)
+        os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills it
+    start = time.monotonic()
+    try:
+        _train(sdp, opt, rank, 1)
+        values: dict[str, Any] = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - the CollectiveError this test is about, whatever it is
+        values = {"error": str(exc), "kind": type(exc).__name__}
+    values["seconds"] = time.monotonic() - start
+    Path(path, f"rank{rank}.json").write_text(json.dumps(values))
+    os._exit(0)  # no destroy_process_group(): its peer is stopped
+
+
+def test_a_rank_stopped_under_a_short_group_timeout_is_named_with_its_last_collective(tmp_path: Path) -> None:
+    # Before, rank 0 ended at the timeout with "rank 1 left without a report: it exited, was
+    # killed or is stuck outside this collective", not saying that rank 1 was stopped, nor where.
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_stopped_under_a_short_timeout, args=(r, str(tmp_path / "store"), str(tmp_path)),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(timeout=120)
+        assert procs[0].exitcode == 0, procs[0].exitcode
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process dies at SIGKILL too; resume it anyway
+                p.kill()
+            p.join()
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["kind"] == "CollectiveError", seen
+    assert seen["error"].startswith("[rank 0] ShardedDataParallel's gradient reduction of bucket 0 did not complete: "
+                                    "rank 1 stopped progressing: its heartbeat has not moved for "), seen
+    assert "its last known collective is OSS's parameter gather after the step #" in seen["error"], seen
+    assert "Resume or restart that rank" in seen["error"] and "Timed out waiting 6000ms" in seen["error"], seen
+    # Ended by the group's timeout (the backend's words above) plus the failure board's grace.
+    assert SHORT_TIMEOUT_S <= seen["seconds"] < SHORT_TIMEOUT_S + BOUND_S, seen
+
+
+def test_ranks_that_left_are_named_with_their_last_collective_a_stopped_one_first() -> None:
+    label = "shardopt::sdp::reduce::bucket0"
+    left = str(comm.CollectiveError(0, label, {}, [1, 2], "Connection closed by peer",
+                                    last={1: "OSS's parameter gather after the step #4"}))
+    assert left == ("[rank 0] ShardedDataParallel's gradient reduction of bucket 0 did not complete: rank 1 left "
+                    "(and ranks [2]) without a report: it exited, was killed or is stuck outside this collective; its "
+                    "last known collective is OSS's parameter gather after the step #4. Backend said: Connection "
+                    "closed by peer")
+    stopped = str(comm.CollectiveError(0, label, {}, [1, 2], "Timed out", last={2: "an object all-gather #0"},
+                                       stalled={2: 5.04}))
+    assert stopped == ("[rank 0] ShardedDataParallel's gradient reduction of bucket 0 did not complete: rank 2 stopped "
+                       "progressing: its heartbeat has not moved for 5.0 s (the process was stopped, e.g. SIGSTOP, or "
+                       "its machine froze); its last known collective is an object all-gather #0. Resume or restart "
+                       "that rank (ranks [1] left without a report too). Backend said: Timed out")

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardopt.checkpoint import load_sharded, read_extra, save_sharded
+from shardopt.files import remove_path, replacing, temp_path, tidy
 
 __all__ = ["CheckpointKind", "convert_sharded", "load_trainer_checkpoint", "parse_checkpoint_kind",
            "save_trainer_checkpoint"]
@@ -97,7 +98,8 @@ def convert_sharded(path: str, out: str) -> list[str]:
 
     How it works: ``torch.distributed.checkpoint``'s own converter reads every shard into
     one process (no process group); the model's entries become full tensors, reshaped to
-    the shapes the integration recorded (ZeRO-3 stores parameters flattened). ``out``
+    the shapes the integration recorded (ZeRO-3 stores parameters flattened). ``out`` is
+    replaced atomically (Note [atomic writes] in :mod:`shardopt.files`) and its name
     decides the format:
 
     * ``*.safetensors``: the model's weights only, as ``safetensors`` writes them with
@@ -124,13 +126,16 @@ def convert_sharded(path: str, out: str) -> list[str]:
     if extra is None:
         raise FileNotFoundError(f"no sharded checkpoint at {path!r}: pass the folder a sharded save wrote")
     shapes = {k: torch.Size(v) for k, v in (extra.get("param_shapes") or {}).items()}
-    scratch = out + ".shardopt-convert.pt"
+    # The scratch file and out's own temporary file are named after this process, so a
+    # convert killed midway leaves nothing the next one cannot tell from a live one (Note
+    # [leftovers of killed saves] in shardopt.files).
+    tidy(os.path.dirname(os.path.abspath(out)))
+    scratch = temp_path(out + ".shardopt-convert")
     try:
         dcp_to_torch_save(path, scratch)
         flat: dict[str, Any] = torch.load(scratch, map_location="cpu", weights_only=False)
     finally:
-        if os.path.exists(scratch):
-            os.remove(scratch)
+        remove_path(scratch)
     model_state = flat.get("model", _strip("model.", flat))
     weights = {k: (v.reshape(shapes[k]) if k in shapes and v.shape != shapes[k] else v).contiguous()
                for k, v in model_state.items() if isinstance(v, torch.Tensor)}
@@ -142,11 +147,14 @@ def convert_sharded(path: str, out: str) -> list[str]:
         except ImportError:
             raise ValueError(f"cannot write {out!r}: the safetensors package is not installed; pip install "
                              "safetensors, or write a .bin / .pt file") from None
-        save_file({k: v.clone() for k, v in weights.items()}, out, metadata={"format": "pt"})
+        with replacing(out) as tmp:
+            save_file({k: v.clone() for k, v in weights.items()}, tmp, metadata={"format": "pt"})
     elif out.endswith(".bin"):
-        torch.save(weights, out)
+        with replacing(out) as tmp:
+            torch.save(weights, tmp)
     else:
         optim = flat.get("optim", _strip("optim.", flat))
-        torch.save({"state_dict": weights, "optimizer_entries": optim,
-                    "extra": {k: v for k, v in extra.items() if k != "trainer_state"}}, out)
+        with replacing(out) as tmp:
+            torch.save({"state_dict": weights, "optimizer_entries": optim,
+                        "extra": {k: v for k, v in extra.items() if k != "trainer_state"}}, tmp)
     return sorted(weights)
