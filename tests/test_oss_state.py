@@ -345,7 +345,8 @@ def _freshness(rank: int, world_size: int) -> dict[str, Any]:
 def test_state_dict_reads_hyperparameters_now_and_refuses_a_snapshot_older_than_a_step_or_a_weight_write() -> None:
     for out in run_ranks(_freshness, 2):
         assert out["lr_seen"] == 0.0 and out["lr_after_round_trip"] == 0.0, out
-        assert "has no consolidated state: call optimizer.consolidate_state_dict" in out["after_step"], out
+        assert "has no consolidated state (step() ran after the last consolidate_state_dict()): call " \
+            "optimizer.consolidate_state_dict" in out["after_step"], out
         assert out["same_values_ok"], out
         assert "parameter 0 was written after consolidate_state_dict()" in out["written"], out
         assert "call optimizer.consolidate_state_dict(recipient_rank) on every rank again" in out["written"], out
