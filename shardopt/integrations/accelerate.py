@@ -50,9 +50,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
+
+from shardopt.integrations.extras import raise_missing_extra
+
+try:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+except ModuleNotFoundError as e:
+    raise_missing_extra(e, __name__, "hf")
 
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardopt.optim import OSS
