@@ -59,7 +59,7 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
         optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-        if order == "early":  # the trap of issue 26: a state dict taken before the scheduler exists
+        if order == "early":  # the trap: a state dict taken before the scheduler exists
             optimizer.consolidate_state_dict(recipient_rank=-1)
     wrapped: Any = ShardedDataParallel(model, optimizer) if mode == "zero2" else model
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 2))  # warm-up from 0

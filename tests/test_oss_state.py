@@ -312,7 +312,7 @@ def _freshness(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     model = seeded_mlp()
     opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=2e-3)
-    opt.consolidate_state_dict(recipient_rank=-1)  # before the scheduler exists (issue 26's order)
+    opt.consolidate_state_dict(recipient_rank=-1)  # before the scheduler exists
     torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 2))  # warm-up from 0
     out["lr_seen"] = opt.state_dict()["param_groups"][0]["lr"]
     opt.load_state_dict(opt.state_dict())  # Accelerate's prepare round trip

@@ -265,7 +265,7 @@ def _build_zero1_hybrid(module: nn.Module, setup: Setup) -> Wrapped:
 # Note [zero2-hybrid mode]
 # Hybrid ZeRO-2 is OSS and ShardedDataParallel both given the layout as shard_size=S: ownership
 # planned over the shard group, each bucket reduced inside it and the owner's part all-reduced
-# across the replicate group (issue 24; Note [hybrid reduction] in
+# across the replicate group (Note [hybrid reduction] in
 # shardopt.nn.data_parallel.replicas).
 
 
