@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 
 from shardopt.app.cli import EXAMPLES, build_parser, main
+from tests.helpers.cli import TINY
 from tests.helpers.processes import REPO
-
-TINY = ["--model", "tiny", "--batch-size", "2", "--threads-per-rank", "1"]
 
 
 def _subcommands() -> list[str]:

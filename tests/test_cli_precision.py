@@ -230,7 +230,7 @@ def _update_signs(mode: str, precision: Precision, grad_accum: int, tmp_path: An
 
     out = str(tmp_path / f"{mode}-{grad_accum}.pt")
     job = TrainJob(mode=mode, precision=precision, preset="tiny", steps=1, batch_size=2, grad_accum_steps=grad_accum,
-                   warmup_steps=0, params_out=out, threads_per_rank=1)
+                   warmup_steps=0, params_out=out, threads_per_rank=1, device="cpu")  # the CPU where a GPU is seen too
     run_launched("demo", bench_rank, 2, job)
     after = torch.load(out, weights_only=True)
     before = dict(build_model("tiny").named_parameters())

@@ -50,7 +50,7 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
     the saved state first and train the remaining steps. ``fed_norms``: the DDP run clips
     by these total norms (Note [fed clip norms] in tests/helpers/clip.py)."""
     cls = Accelerator if mode == "ddp" else ShardedAccelerator
-    accelerator = cls(gradient_accumulation_steps=ACCUM)
+    accelerator = cls(gradient_accumulation_steps=ACCUM, cpu=True)  # CPU tests: the CPU even where a GPU is seen
     model = seeded_mlp()
     if mode == "zero3":
         model = FullyShardedDataParallel(model)
@@ -147,7 +147,7 @@ def test_sharded_accelerator_trains_like_accelerate_ddp_in_any_call_order_and_re
 
 def _partial_clip(rank: int, world_size: int) -> str:
     _env(rank, world_size)
-    accelerator = ShardedAccelerator()
+    accelerator = ShardedAccelerator(cpu=True)
     model = seeded_mlp()
     optimizer = accelerator.prepare(OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1))
     try:
@@ -167,7 +167,7 @@ def test_clipping_part_of_an_oss_optimizers_parameters_is_refused() -> None:
 
 def _optimizer_first(rank: int, world_size: int, tmp: str) -> str:
     _env(rank, world_size)
-    accelerator = ShardedAccelerator()
+    accelerator = ShardedAccelerator(cpu=True)
     model = FullyShardedDataParallel(seeded_mlp())
     optimizer, model = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1), model)
     try:
@@ -192,7 +192,7 @@ def _plain_accelerator(rank: int, world_size: int, tmp: str) -> dict[str, str]:
     _env(rank, world_size)
     out: dict[str, str] = {}
     for placement in (True, False):
-        accelerator = Accelerator(device_placement=placement)
+        accelerator = Accelerator(device_placement=placement, cpu=True)
         model = seeded_mlp()
         optimizer: Any = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2)
         try:
