@@ -368,6 +368,23 @@ def _encode(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
     return None, {"model": get_model_state_dict(model)}, {}
 
 
+# Note [a CPU save touches no GPU]
+# torch.distributed.checkpoint's file writer stages tensors through a CUDA stream whenever CUDA
+# is available, whatever their device, so a CPU job beside a GPU made a CUDA context in every
+# rank at its first sharded save. CPU-only state is written with no GPU copy-ahead
+# (FileSystemWriter(per_thread_copy_ahead=0)), which takes torch's serial CPU path.
+
+
+def _writer(folder: str, state: Any) -> dcp.FileSystemWriter | None:
+    """The writer for ``state`` (Note [a CPU save touches no GPU]); ``None``: torch's default."""
+    stack, on_gpu = [state], False
+    while stack and not on_gpu:
+        item = stack.pop()
+        on_gpu = isinstance(item, torch.Tensor) and item.device.type != "cpu"
+        stack.extend(item.values() if isinstance(item, Mapping) else item if isinstance(item, (list, tuple)) else ())
+    return None if on_gpu else dcp.FileSystemWriter(folder, per_thread_copy_ahead=0)
+
+
 def save_sharded(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any] | None = None
 ) -> None:
@@ -412,7 +429,7 @@ def save_sharded(
         if kind == "oss":
             state["optim"] = {k: v for k, v in state["optim"].items() if writers[f"/optim/{k}"] == _rank()}
         with _named_failures("shardopt::checkpoint::save"):
-            dcp.save(state, checkpoint_id=staging)
+            dcp.save(state, checkpoint_id=staging, storage_writer=_writer(staging, state))
         if _rank() == 0:
             gathered[0][1].update(checksums(state["model"], "/model") if kind == "oss" else {})
             oss_groups = kind == "oss" and optimizer is not None

@@ -353,7 +353,7 @@ def ranks_to_measure(mode: Mode, shapes: Sequence[Sequence[int]], world_size: in
 # ideal_total = total(1) - sharded(1) + sharded(1) / N. Measuring the reference the same way
 # keeps everything the count includes (Adam's 0-dim steps, ZeRO-3's padding at N = 1 is none)
 # on both sides. The heaviest measured rank over the ideal is the imbalance the plan leaves;
-# issue 27's target is sharded bytes within 1.05x of the ideal at N = 64, 256 and 1024.
+# The design's target is sharded bytes within 1.05x of the ideal at N = 64, 256 and 1024.
 
 
 @dataclass(frozen=True)

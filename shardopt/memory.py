@@ -186,12 +186,13 @@ def estimate_model_states(
 
 # Note [the formula and the plan]
 # The ZeRO formulas divide the sharded bytes by N as if every rank owned Psi / N parameters.
-# OSS gives each parameter whole to one rank (partition_by_size), so the heaviest rank owns at
-# least the largest parameter: on a Llama-3-8B shape (untied 525M-parameter embedding and
-# head) ZeRO-2 with mixed precision holds 23.4 GB on the heaviest rank from 16 ranks up,
-# where the formula promises 17.8 GB at 64 ranks and 16.2 GB at 1024. PlanEstimate replaces
-# Psi / N by the heaviest rank's owned parameters under the real plan, unsplit (today) and
-# split (plan_split, not yet used by OSS), for the sharded terms of stages 1 and 2: stage 1
+# Where OSS keeps parameters whole (partition_by_size: matrix-wise optimizers, or
+# split_large_params=False) the heaviest rank owns at least the largest parameter: on a
+# Llama-3-8B shape (untied 525M-parameter embedding and head) ZeRO-2 with mixed precision
+# holds 23.4 GB on the heaviest rank from 16 ranks up, where the formula promises 17.8 GB at
+# 64 ranks and 16.2 GB at 1024. PlanEstimate replaces Psi / N by the heaviest rank's owned
+# parameters under both real plans, whole and split (plan_split, OSS's default for
+# elementwise optimizers), for the sharded terms of stages 1 and 2: stage 1
 # shards the optimizer state (K), stage 2 also the gradients. ZeRO-3 shards FlatParameter
 # units evenly by elements, so its formula row stands.
 

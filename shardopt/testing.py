@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import sys
 import tempfile
 import time
@@ -92,6 +93,40 @@ class RankTimeout(RuntimeError):
         self.ranks = ranks
 
 
+# Note [ranks start from the caller's random state]
+# Forked ranks inherit the caller's random state; spawned ones start from seeds of their own
+# (two spawned processes drew 0.94 and 0.83 as their first torch.rand). run_ranks spawns
+# wherever forking is unsafe, which is wherever CUDA is visible (Note [fork safety]), so a
+# function that builds a model without seeding got the same weights on every rank on a CPU
+# machine and different ones beside a GPU (a ZeRO-3 test then failed FullyShardedDataParallel's
+# check of the same weights at construction). Every rank therefore starts from the caller's
+# state of torch's CPU generator, Python's ``random`` and numpy's global generator (when numpy
+# is imported), forked or spawned: the same on every rank, as a fork gives.
+
+
+@dataclass(frozen=True)
+class _RandomState:
+    """The caller's random state, restored on every rank (Note [ranks start from the caller's random state])."""
+
+    torch_cpu: bytes
+    python: Any
+    numpy: Any
+
+    @staticmethod
+    def capture() -> _RandomState:
+        np = sys.modules.get("numpy")
+        return _RandomState(torch.get_rng_state().numpy().tobytes(), random.getstate(),
+                            np.random.get_state() if np is not None else None)
+
+    def restore(self) -> None:
+        torch.set_rng_state(torch.frombuffer(bytearray(self.torch_cpu), dtype=torch.uint8))
+        random.setstate(self.python)
+        if self.numpy is not None:
+            import numpy
+
+            numpy.random.set_state(self.numpy)
+
+
 @dataclass(frozen=True)
 class _RankJob:
     fn: Callable[..., Any]
@@ -101,6 +136,7 @@ class _RankJob:
     store_path: str
     timeout_s: float
     threads: int
+    random_state: _RandomState
 
 
 def _rank_main(rank: int, job: _RankJob, results: Any) -> None:
@@ -120,6 +156,7 @@ def _rank_main(rank: int, job: _RankJob, results: Any) -> None:
             timeout=timedelta(seconds=job.timeout_s),
         )
         results.put((rank, None, None))  # joined: the parent's wall clock starts for this run
+        job.random_state.restore()  # Note [ranks start from the caller's random state]
         try:
             value = job.fn(rank, job.world_size, *job.args)
         except BaseException as exc:
@@ -159,6 +196,10 @@ def run_ranks(
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` real processes.
 
+    Every rank starts from the caller's random state (torch's CPU generator, ``random``,
+    numpy's global generator), whether its process was forked or spawned (Note [ranks start
+    from the caller's random state]).
+
     Args:
         fn: the function to run on every rank. With the spawn start method it must be
             importable (defined at module level).
@@ -193,7 +234,8 @@ def run_ranks(
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     ctx: Any = mp.get_context("fork" if backend == "gloo" and _fork_is_safe() else "spawn")
     with tempfile.TemporaryDirectory(prefix="shardopt-") as tmp:
-        job = _RankJob(fn, args, world_size, backend, os.path.join(tmp, "store"), timeout_s, threads_per_rank)
+        job = _RankJob(fn, args, world_size, backend, os.path.join(tmp, "store"), timeout_s, threads_per_rank,
+                       _RandomState.capture())
         results = ctx.Queue()
         procs = [ctx.Process(target=_rank_main, args=(r, job, results), daemon=True) for r in range(world_size)]
         for p in procs:

@@ -334,3 +334,21 @@ def test_save_sharded_refuses_a_file_or_a_foreign_folder_and_leaves_it_alone(tmp
         with pytest.raises(ValueError, match="cannot be written: no files can be created in '/proc'"):
             checkpoint.check_writable("/proc/ckpt", sharded=True)
     checkpoint.check_writable(str(tmp_path / "new" / "deeper" / "ckpt"), sharded=True)  # created on save
+
+
+def _save_beside_a_gpu(rank: int, world_size: int, path: str) -> float:
+    """A CPU job on a machine where CUDA is visible (faked in this rank: this torch has none, so
+    any use of CUDA raises): the sharded save and load stay on the CPU."""
+    torch.cuda.is_available = lambda: True  # type: ignore[assignment]  # this rank process only
+    module = seeded_mlp()
+    opt = OSS(module.parameters(), optim=torch.optim.Adam, lr=1e-2)
+    _train(module, opt, rank, range(2))
+    checkpoint.save_sharded(path, module, opt, {"step": 2})
+    fresh = seeded_mlp(seed=1)
+    fresh_opt = OSS(fresh.parameters(), optim=torch.optim.Adam, lr=1e-2)
+    assert checkpoint.load_sharded(path, fresh, fresh_opt) == {"step": 2}
+    return max_abs_diff(module.parameters(), fresh.parameters())
+
+
+def test_sharded_save_of_cpu_state_touches_no_gpu_where_one_is_visible(tmp_path: Any) -> None:
+    assert max(run_ranks(_save_beside_a_gpu, 2, str(tmp_path / "ckpt"), timeout_s=60)) == 0.0

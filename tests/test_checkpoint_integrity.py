@@ -334,8 +334,8 @@ def test_failed_sharded_save_removes_its_staging_folder_and_keeps_the_previous_o
     checkpoint.save_sharded(path, seeded_mlp(), None, {"step": 1})
     real_save = checkpoint.dcp.save
 
-    def write_then_fail(state: Any, checkpoint_id: str) -> None:
-        real_save(state, checkpoint_id=checkpoint_id)  # files written, then the disk fills up
+    def write_then_fail(state: Any, checkpoint_id: str, **kwargs: Any) -> None:
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)  # files written, then the disk fills up
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint.dcp, "save", write_then_fail)

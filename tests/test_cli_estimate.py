@@ -78,6 +78,10 @@ def test_estimate_llama3_8b_reports_the_heaviest_rank_of_the_real_plans(tmp_path
     for text in ("heaviest rank under shardopt's ownership plans", "whole parameters (matrix-wise", "4.187x",
                  "23.4", "row-split (OSS default"):
         assert text in printed, text
+    caption = " ".join(printed.split())  # rich wraps it
+    assert "what OSS (and ShardedDataParallel with it) plans by default for an optimizer that updates elementwise" \
+        in caption, caption
+    assert "issue" not in caption and "yet" not in caption, caption  # no stale "not used yet" or internal issue number
 
 
 def test_estimate_hf_config_plans_the_config_shapes(tmp_path: Path) -> None:

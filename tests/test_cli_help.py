@@ -5,6 +5,7 @@ on standard error."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import os
@@ -16,9 +17,8 @@ from typing import Any
 import pytest
 
 from shardopt.app.cli import EXAMPLES, build_parser, main
+from tests.helpers.cli import TINY
 from tests.helpers.processes import REPO
-
-TINY = ["--model", "tiny", "--batch-size", "2", "--threads-per-rank", "1"]
 
 
 def _subcommands() -> list[str]:
@@ -105,3 +105,15 @@ def test_bench_eta_appears_after_the_first_run_and_survives_runs_longer_than_ric
     now[0] += 80.0
     progress.advance(task)
     assert progress.tasks[0].time_remaining == pytest.approx(120.0)  # 2 left at the mean of 60 s
+
+
+def test_docs_cli_md_shows_every_subcommand_help_as_the_command_prints_it() -> None:
+    spec = importlib.util.spec_from_file_location("cli_docs", os.path.join(REPO, "scripts", "cli_docs.py"))
+    assert spec is not None and spec.loader is not None
+    cli_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli_docs)
+    with open(os.path.join(REPO, "docs", "cli.md")) as f:
+        doc = f.read()
+    for command in _subcommands():
+        assert f"### `shardopt {command} --help`" in doc, command
+    assert cli_docs.render(doc) == doc, "docs/cli.md differs from the command's --help: run python scripts/cli_docs.py"

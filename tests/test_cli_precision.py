@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from typing import Any
 
@@ -230,7 +231,7 @@ def _update_signs(mode: str, precision: Precision, grad_accum: int, tmp_path: An
 
     out = str(tmp_path / f"{mode}-{grad_accum}.pt")
     job = TrainJob(mode=mode, precision=precision, preset="tiny", steps=1, batch_size=2, grad_accum_steps=grad_accum,
-                   warmup_steps=0, params_out=out, threads_per_rank=1)
+                   warmup_steps=0, params_out=out, threads_per_rank=1, device="cpu")  # the CPU where a GPU is seen too
     run_launched("demo", bench_rank, 2, job)
     after = torch.load(out, weights_only=True)
     before = dict(build_model("tiny").named_parameters())
@@ -251,3 +252,16 @@ def test_deepspeed_accumulates_every_micro_batch(tmp_path: Any) -> None:
 
     assert agreement(ddp, deepspeed) > 0.99
     assert agreement(ddp, last_only) < 0.9
+
+
+def test_deepspeed_ranks_training_on_the_cpu_pick_its_cpu_accelerator_where_cuda_is_visible(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardopt.app.modes import get_mode
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    before_import = get_mode("deepspeed-zero2").before_import
+    assert before_import is not None
+    for device_type, expected in (("cuda", None), (None, None), ("cpu", "cpu")):
+        monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+        before_import(device_type)
+        assert os.environ.get("DS_ACCELERATOR") == expected, device_type  # DeepSpeed takes CUDA unless told

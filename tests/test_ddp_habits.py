@@ -1,4 +1,4 @@
-"""A DDP script's habits under ZeRO-1/2 (issue 20): torch's clip_grad_norm_, accumulation
+"""A DDP script's habits under ZeRO-1/2: torch's clip_grad_norm_, accumulation
 through ``require_backward_grad_sync``, DDP-only attributes, torch's GradScaler.
 
 Each habit either gives DDP's result (bit for bit where the arithmetic is DDP's: fp32 at

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
-from shardopt.nn.fsdp import MixedPrecision, ModuleClassPolicy, ShardingStrategy
+from shardopt.nn.fsdp import MixedPrecision, ModuleClassPolicy, NameGlobPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
 from tests.helpers.data import rank_batch, seeded_mlp
 from tests.helpers.gpt import Block, gpt, lm_loss, tokens
@@ -203,3 +203,37 @@ def test_user_mistakes_raise_errors_that_say_what_to_do() -> None:
 def test_fsdp_without_a_process_group_says_how_to_start_one() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         FSDP(seeded_mlp())
+
+
+def test_module_class_policy_takes_a_set_a_list_or_one_class_and_refuses_anything_else() -> None:
+    assert ModuleClassPolicy({Block, nn.Embedding}) == ModuleClassPolicy((nn.Embedding, Block))  # sorted: same on every rank
+    assert ModuleClassPolicy(Block).classes == (Block,) == ModuleClassPolicy([Block, Block]).classes
+    fix = "; pass the classes themselves, e.g. ModuleClassPolicy({Block}) or ModuleClassPolicy((Block, nn.Embedding))"
+    for bad, shown in [("Block", "the string 'Block' (a name, not the class)"), ({nn.Linear(2, 2)}, "an instance of Linear"),
+                       ((Block, int), "<class 'int'>"), (5, "5")]:
+        with pytest.raises(TypeError) as info:
+            ModuleClassPolicy(bad)  # type: ignore[arg-type]
+        assert str(info.value) == f"ModuleClassPolicy takes nn.Module subclasses, got {shown}{fix}"
+    with pytest.raises(ValueError, match=r"ModuleClassPolicy got no classes, so it would wrap nothing .* or "
+                       r"auto_wrap_policy=None"):
+        ModuleClassPolicy(set())
+    assert NameGlobPolicy("blocks.*").patterns == ("blocks.*",)  # one pattern, not eight one-letter ones
+    with pytest.raises(TypeError, match=r"NameGlobPolicy takes fnmatch patterns as strings, got 3; pass e.g."):
+        NameGlobPolicy(("blocks.*", 3))  # type: ignore[arg-type]
+
+
+def _policy_forms(rank: int, world_size: int) -> dict[str, list[str]]:
+    units: dict[str, list[str]] = {}
+    for form, policy in {"tuple": ModuleClassPolicy((Block,)), "set": ModuleClassPolicy({Block}),
+                         "class": ModuleClassPolicy(Block)}.items():
+        root = FSDP(gpt(), auto_wrap_policy=policy)
+        toks = tokens(rank, 0)
+        lm_loss(root(toks), toks).backward()  # the first forward failed with a set before
+        units[form] = [name for name, m in root.named_modules() if isinstance(m, FSDP)]
+    return units
+
+
+def test_module_class_policy_given_a_set_wraps_the_same_units_as_a_tuple() -> None:
+    (units,) = run_ranks(_policy_forms, 1, timeout_s=60)
+    assert units["tuple"] == units["set"] == units["class"], units
+    assert len(units["tuple"]) > 1, units  # the blocks are units of their own

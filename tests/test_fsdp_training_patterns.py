@@ -1,4 +1,4 @@
-"""The correctness traps of issue 5, each against DDP (or DDP's arithmetic done by hand).
+"""The correctness traps of common training patterns, each against DDP (or DDP's arithmetic done by hand).
 
 Every comparison here is at two ranks in fp32, where FSDP must be bit-identical to DDP
 (Note [average like DDP] in shardopt.nn.fsdp.unit) unless the test says why not.

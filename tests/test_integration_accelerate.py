@@ -50,7 +50,7 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
     the saved state first and train the remaining steps. ``fed_norms``: the DDP run clips
     by these total norms (Note [fed clip norms] in tests/helpers/clip.py)."""
     cls = Accelerator if mode == "ddp" else ShardedAccelerator
-    accelerator = cls(gradient_accumulation_steps=ACCUM)
+    accelerator = cls(gradient_accumulation_steps=ACCUM, cpu=True)  # CPU tests: the CPU even where a GPU is seen
     model = seeded_mlp()
     if mode == "zero3":
         model = FullyShardedDataParallel(model)
@@ -59,7 +59,7 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
         optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-        if order == "early":  # the trap of issue 26: a state dict taken before the scheduler exists
+        if order == "early":  # the trap: a state dict taken before the scheduler exists
             optimizer.consolidate_state_dict(recipient_rank=-1)
     wrapped: Any = ShardedDataParallel(model, optimizer) if mode == "zero2" else model
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 2))  # warm-up from 0
@@ -147,7 +147,7 @@ def test_sharded_accelerator_trains_like_accelerate_ddp_in_any_call_order_and_re
 
 def _partial_clip(rank: int, world_size: int) -> str:
     _env(rank, world_size)
-    accelerator = ShardedAccelerator()
+    accelerator = ShardedAccelerator(cpu=True)
     model = seeded_mlp()
     optimizer = accelerator.prepare(OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1))
     try:
@@ -167,7 +167,7 @@ def test_clipping_part_of_an_oss_optimizers_parameters_is_refused() -> None:
 
 def _optimizer_first(rank: int, world_size: int, tmp: str) -> str:
     _env(rank, world_size)
-    accelerator = ShardedAccelerator()
+    accelerator = ShardedAccelerator(cpu=True)
     model = FullyShardedDataParallel(seeded_mlp())
     optimizer, model = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1), model)
     try:
@@ -186,3 +186,42 @@ def test_zero3_state_of_an_optimizer_prepared_before_its_model_is_refused() -> N
     assert message.startswith("save_state: an optimizer over a FullyShardedDataParallel model's shards was "
                               "prepared before the model"), message
     assert "prepare the model first" in message
+
+
+def _plain_accelerator(rank: int, world_size: int, tmp: str) -> dict[str, str]:
+    _env(rank, world_size)
+    out: dict[str, str] = {}
+    for placement in (True, False):
+        accelerator = Accelerator(device_placement=placement, cpu=True)
+        model = seeded_mlp()
+        optimizer: Any = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+        try:
+            model, optimizer = accelerator.prepare(model, optimizer)
+            optimizer.optimizer.consolidate_state_dict()  # onto rank 0, as for torch.save on rank 0
+            accelerator.save_state(tmp)
+            out[f"placement={placement}"] = ""
+        except RuntimeError as e:
+            out[f"placement={placement}"] = str(e)
+        finally:
+            del model, optimizer
+            accelerator.free_memory()
+    return out
+
+
+def test_oss_through_a_plain_accelerator_is_refused_with_a_message_naming_sharded_accelerator() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_plain_accelerator, 2, tmp, timeout_s=120)
+    fix = ("it was called by a plain accelerate.Accelerator (in prepare or save_state), which reads the state dict on "
+           "every rank without consolidating it first (a collective): use "
+           "shardopt.integrations.accelerate.ShardedAccelerator (the same arguments)")
+    for rank, out in enumerate(results):
+        # prepare's device placement round-trips the state dict: refused on every rank.
+        assert out["placement=True"].startswith(
+            f"[rank {rank}] OSS.state_dict() has no consolidated state (consolidate_state_dict() was never called "
+            f"on this optimizer); {fix}"), out
+    # Without placement, save_state reads the state on every rank: rank 0 holds it, rank 1 is
+    # told that the consolidation it did call went to rank 0, and the fix.
+    assert results[0]["placement=False"] == "", results
+    assert results[1]["placement=False"].startswith(
+        "[rank 1] OSS.state_dict() has no consolidated state (the last consolidate_state_dict() collected the state "
+        f"on rank 0, not this rank); {fix}"), results

@@ -22,6 +22,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 from shardopt.integrations.transformers import ShardedTrainer, Sharding  # noqa: E402
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel  # noqa: E402
 from shardopt.nn.fsdp import ModuleClassPolicy  # noqa: E402
+from shardopt.optim import OSS  # noqa: E402
 from shardopt.testing import run_ranks  # noqa: E402
 from tests.helpers.clip import NORM_RTOL, clip_with_fed_norm  # noqa: E402
 from tests.helpers.data import max_abs_diff  # noqa: E402
@@ -187,3 +188,25 @@ def test_sharding_config_refuses_options_of_another_stage() -> None:
         Sharding(stage=1, wrapper_kwargs={"reduce_buffer_size": 0})
     with pytest.raises(ValueError, match=r"Sharding\(stage=3\) shards with FullyShardedDataParallel"):
         Sharding(stage=3, oss_kwargs={"broadcast_fp16": True})
+
+
+def _plain_trainer_with_oss(rank: int, world_size: int, tmp: str) -> str:
+    _env(rank, world_size)
+    model = _gpt()
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    trainer = Trainer(model=model, args=_args(tmp, max_steps=1), train_dataset=_Tokens(), optimizers=(optimizer, None))
+    try:
+        trainer.train()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_oss_in_a_plain_trainer_is_refused_with_a_message_naming_sharded_trainer() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_plain_trainer_with_oss, 2, tmp, timeout_s=120)
+    for rank, message in enumerate(results):
+        # Accelerate's prepare (inside train()) round-trips the optimizer's state dict.
+        assert message.startswith(f"[rank {rank}] OSS.state_dict() has no consolidated state "), message
+        assert "it was called by a plain transformers.Trainer" in message, message
+        assert "use shardopt.integrations.transformers.ShardedTrainer" in message, message

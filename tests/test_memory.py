@@ -53,7 +53,7 @@ def test_estimate_rejects_bad_inputs_with_the_value() -> None:
 
 def test_llama3_8b_whole_parameter_plan_is_4_19_16_7_67x_off_and_the_split_plan_within_1_05() -> None:
     shapes = SHAPE_PRESETS["llama3-8b"].shapes()
-    # issue 27 quotes 4.19x, 16.8x and 67x: the heaviest rank holds a whole 525M-parameter embedding
+    # a rough count gives 4.19x, 16.8x and 67x: the heaviest rank holds a whole 525M-parameter embedding
     # (16.747x at 256 ranks); the row-split plan cuts it and the head (and at 256+ ranks the MLPs) by rows
     for ranks, unsplit in ((64, 4.19), (256, 16.75), (1024, 66.99)):
         plan = memory.estimate_plans(shapes, ranks)

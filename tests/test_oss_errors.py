@@ -115,7 +115,8 @@ def _misuse(rank: int, world_size: int) -> dict[str, str]:
 def test_misuse_of_state_dict_api_names_the_fix() -> None:
     for r in run_ranks(_misuse, 2, timeout_s=30):
         assert r["usable"] == "yes"
-        assert "OSS.state_dict() has no consolidated state: call optimizer.consolidate_state_dict(recipient_rank)" \
+        assert "OSS.state_dict() has no consolidated state (consolidate_state_dict() was never called on this " \
+            "optimizer): call optimizer.consolidate_state_dict(recipient_rank)" \
             in r["before_consolidation"]
         assert "recipient_rank must be -1 (all ranks) or a rank in [0, 2), got 2" in r["recipient_too_big"]
         assert "got -2" in r["recipient_negative"]
@@ -125,3 +126,77 @@ def test_misuse_of_state_dict_api_names_the_fix() -> None:
         )
         assert "state_dict['state'] has entries [7] that no param group lists" in r["stray_state"]
         assert "state_dict must be a torch.optim state dict with 'state' and 'param_groups'" in r["not_a_state_dict"]
+
+
+def _caller_in(module: str, inner: Any = None) -> Any:
+    """A function defined as if in ``module`` that calls ``inner(opt)`` (default: ``opt.state_dict()``),
+    so the stack looks as when that module calls (Note [naming the integration in the state_dict error])."""
+    namespace: dict[str, Any] = {"__name__": module, "inner": inner or (lambda opt: opt.state_dict())}
+    exec("def call(opt):\n    return inner(opt)\n", namespace)
+    return namespace["call"]
+
+
+def _message(fn: Any) -> str:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def _missing_state(rank: int, world_size: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+    model = seeded_mlp()
+    opt = OSS(model.parameters(), optim=Adam, lr=1e-3)
+    out["never"] = _message(opt.state_dict)
+    for module in ("transformers.trainer", "lightning.pytorch.strategies.strategy", "accelerate.accelerator"):
+        out[module] = _message(lambda m=module: _caller_in(m)(opt))
+    ours = _caller_in("shardopt.integrations.accelerate", _caller_in("accelerate.accelerator"))
+    out["shardopt integration"] = _message(lambda: ours(opt))
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    out["never, then a step"] = _message(opt.state_dict)
+    opt.consolidate_state_dict(recipient_rank=0)
+    out["elsewhere"] = _message(opt.state_dict) if rank == 1 else "on the recipient"
+    out["elsewhere via accelerate"] = _message(lambda: _caller_in("accelerate.accelerator")(opt)) if rank == 1 else ""
+    opt.consolidate_state_dict(recipient_rank=-1)
+    saved = opt.state_dict()
+    opt.step()
+    out["stepped"] = _message(opt.state_dict)
+    opt.consolidate_state_dict(recipient_rank=-1)
+    opt.load_state_dict(saved)
+    out["loaded"] = _message(opt.state_dict)
+    opt.consolidate_state_dict(recipient_rank=-1)
+    next(model.parameters()).requires_grad_(False)
+    opt.refresh_trainable()
+    out["repartitioned"] = _message(opt.state_dict)
+    return out
+
+
+def test_state_dict_without_a_consolidation_says_why_and_names_the_integration_of_the_framework_that_called() -> None:
+    for rank, r in enumerate(run_ranks(_missing_state, 2, timeout_s=60)):
+        generic = ": call optimizer.consolidate_state_dict(recipient_rank) on every rank first (after the last step)"
+        assert r["never"] == (f"[rank {rank}] OSS.state_dict() has no consolidated state (consolidate_state_dict() "
+                              f"was never called on this optimizer){generic}, then state_dict() on the recipient, or "
+                              "state_dict(all_ranks=True) on every rank"), r
+        assert r["never, then a step"] == r["never"], r
+        assert "it was called by a plain transformers.Trainer" in r["transformers.trainer"], r
+        assert "use shardopt.integrations.transformers.ShardedTrainer" in r["transformers.trainer"], r
+        assert "it was called by a Lightning strategy that is not shardopt's" in r["lightning.pytorch.strategies.strategy"]
+        assert "Trainer(strategy='shardopt_zero1' or 'shardopt_zero2')" in r["lightning.pytorch.strategies.strategy"]
+        assert "it was called by a plain accelerate.Accelerator" in r["accelerate.accelerator"], r
+        assert "use shardopt.integrations.accelerate.ShardedAccelerator (the same arguments)" in \
+            r["accelerate.accelerator"], r
+        assert r["shardopt integration"] == r["never"], r  # shardopt's own integration called: no hint
+        if rank == 1:
+            assert r["elsewhere"] == ("[rank 1] OSS.state_dict() has no consolidated state (the last "
+                                      "consolidate_state_dict() collected the state on rank 0, not this rank): call "
+                                      "state_dict() on rank 0, or consolidate_state_dict(recipient_rank=-1) on every "
+                                      "rank to have it on every rank"), r
+            assert "collected the state on rank 0, not this rank); it was called by a plain accelerate.Accelerator" \
+                in r["elsewhere via accelerate"], r
+        assert f"(step() ran after the last consolidate_state_dict()){generic}" in r["stepped"], r
+        assert "(a state was loaded (load_state_dict or a sharded checkpoint) after the last " \
+            "consolidate_state_dict())" in r["loaded"], r
+        assert "(parameters were added or frozen/unfrozen (add_param_group, refresh_trainable) after the last " \
+            "consolidate_state_dict())" in r["repartitioned"], r

@@ -1,4 +1,4 @@
-"""OSS with large parameters split into row blocks (issue 27): ZeRO-1 parity, state, errors.
+"""OSS with large parameters split into row blocks: ZeRO-1 parity, state, errors.
 
 The model is a small language model with a large untied embedding and head (each about half
 the model), so at 2-4 ranks the plan cuts them into row blocks owned by several ranks. Under

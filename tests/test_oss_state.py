@@ -312,7 +312,7 @@ def _freshness(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     model = seeded_mlp()
     opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=2e-3)
-    opt.consolidate_state_dict(recipient_rank=-1)  # before the scheduler exists (issue 26's order)
+    opt.consolidate_state_dict(recipient_rank=-1)  # before the scheduler exists
     torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 2))  # warm-up from 0
     out["lr_seen"] = opt.state_dict()["param_groups"][0]["lr"]
     opt.load_state_dict(opt.state_dict())  # Accelerate's prepare round trip
@@ -345,7 +345,8 @@ def _freshness(rank: int, world_size: int) -> dict[str, Any]:
 def test_state_dict_reads_hyperparameters_now_and_refuses_a_snapshot_older_than_a_step_or_a_weight_write() -> None:
     for out in run_ranks(_freshness, 2):
         assert out["lr_seen"] == 0.0 and out["lr_after_round_trip"] == 0.0, out
-        assert "has no consolidated state: call optimizer.consolidate_state_dict" in out["after_step"], out
+        assert "has no consolidated state (step() ran after the last consolidate_state_dict()): call " \
+            "optimizer.consolidate_state_dict" in out["after_step"], out
         assert out["same_values_ok"], out
         assert "parameter 0 was written after consolidate_state_dict()" in out["written"], out
         assert "call optimizer.consolidate_state_dict(recipient_rank) on every rank again" in out["written"], out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import pytest
@@ -88,3 +89,28 @@ def test_bad_arguments_raise_value_error() -> None:
         run_ranks(_identity, 0, "x")
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
         run_ranks(_identity, 1, "x", backend="mpi")
+
+
+def _draws(rank: int, world_size: int) -> tuple[list[float], float, float]:
+    import numpy
+
+    return torch.rand(3).tolist(), random.random(), float(numpy.random.rand())
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_every_rank_starts_from_the_callers_random_state_forked_or_spawned(
+        start: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy
+
+    import shardopt.testing
+
+    if start == "spawn":  # what run_ranks does wherever CUDA is visible (Note [fork safety])
+        monkeypatch.setattr(shardopt.testing, "_fork_is_safe", lambda: False)
+    elif not shardopt.testing._fork_is_safe():
+        pytest.skip("this machine spawns the ranks (CUDA is visible)")
+    torch.manual_seed(11)
+    random.seed(12)
+    numpy.random.seed(13)
+    ranks = run_ranks(_draws, 2, timeout_s=60)
+    expected = (torch.rand(3).tolist(), random.random(), float(numpy.random.rand()))  # the caller's next draws
+    assert ranks == [expected, expected], (ranks, expected)

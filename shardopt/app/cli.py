@@ -165,10 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``shardopt`` argument parser (exposed for documentation and tests).
 
     Returns:
-        The parser with ``demo``, ``bench``, ``estimate`` and ``env`` subcommands.
+        The parser with ``demo``, ``bench``, ``env``, ``estimate`` and ``convert`` subcommands.
     """
-    parser = _Parser(prog="shardopt", description="ZeRO-style sharded training for PyTorch: demo, "
-                     "benchmark and memory estimate")
+    parser = _Parser(prog="shardopt", description="ZeRO-style sharded training for PyTorch: demo, benchmark, "
+                     "memory estimate, environment report and checkpoint conversion")
     parser.add_argument("--version", action="version", version=f"shardopt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("env", help="print what a bug report needs (versions, backends, CPU, GPUs)",
                    description="Print Python, torch, the distributed backends, the CPU kernels torch "
-                               "dispatches, the GPUs and the installed integrations, as one block to paste "
+                               "dispatches, the GPUs\nand the installed integrations, as one block to paste "
                                "into a bug report.",
                    epilog=_epilog("env"), formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -252,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_convert(sub: Any) -> None:
     convert = sub.add_parser("convert", help="turn a sharded checkpoint folder into one file",
                              description="Read a folder written with checkpoint='sharded' (or save_sharded) in one "
-                                         "process and write OUT: *.safetensors (the weights; name it "
-                                         "model.safetensors next to config.json for from_pretrained), *.bin (the "
+                                         "process and write OUT:\n*.safetensors (the weights; name it "
+                                         "model.safetensors next to config.json for from_pretrained),\n*.bin (the "
                                          "weights, torch.save) or any other name (weights, optimizer entries and "
                                          "extra, torch.save).",
                              epilog=_epilog("convert"), formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -3,9 +3,8 @@
 The estimate command's shapes (``--model llama3-8b`` or ``--hf-config``) are scaled down by
 ``--measure-scale`` in every width and in the vocabulary (:func:`shardopt.app.decoder.scaled`:
 each matrix keeps its share of the model), built as a :class:`~shardopt.app.decoder.Decoder`
-and measured by :func:`shardopt.fake_ranks.measure` for each mode and world size. The split
-mode needs ``OSS(split_large_params)`` (issue 27); where OSS lacks it, its rows say so and
-the other modes run.
+and measured by :func:`shardopt.fake_ranks.measure` for each mode and world size (``zero2-split``:
+ShardedDataParallel over ``OSS(split_large_params=True)``, large parameters owned in row blocks).
 """
 
 from __future__ import annotations

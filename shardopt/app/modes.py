@@ -135,8 +135,9 @@ class Mode:
         precisions: the :attr:`Precision.name` values this mode runs at, its default first.
         reduce_dtypes: the ``Precision.reduce_dtype`` values ``bf16-master`` may choose
             here (empty: the mode reduces in its own way and the choice is refused).
-        before_import: called before the mode's library is first imported (DeepSpeed
-            picks its accelerator at import time).
+        before_import: called with the device type the ranks train on (``None`` where it is
+            not known yet) before the mode's library is first imported (DeepSpeed picks its
+            accelerator at import time).
         hybrid: the mode shards inside groups of :attr:`Setup.shard_size` ranks and
             replicates across them (``--shard-size``; docs/hybrid.md).
     """
@@ -152,7 +153,7 @@ class Mode:
     checkpoints: bool = True
     precisions: tuple[str, ...] = ("fp32",)
     reduce_dtypes: tuple[str, ...] = ()
-    before_import: Callable[[], None] | None = None
+    before_import: Callable[[str | None], None] | None = None
     hybrid: bool = False
 
     def wrap(self, module: nn.Module, setup: Setup) -> Wrapped:
@@ -191,12 +192,17 @@ class Mode:
                     f"{precision.reduce_dtype!r}); modes that can: {modes}")
         return None
 
-    def unavailable(self) -> str | None:
-        """``None`` when this mode can run here, else a one-line reason with the fix."""
+    def unavailable(self, device_type: str | None = None) -> str | None:
+        """``None`` when this mode can run here, else a one-line reason with the fix.
+
+        Args:
+            device_type: where the ranks train (``"cpu"``, ``"cuda"``), when known: a
+                rank passes it before its first import of the mode's library.
+        """
         if self.requires is None:
             return None
         if self.before_import is not None:
-            self.before_import()
+            self.before_import(device_type)
         module_name, attr = self.requires
         try:
             module = importlib.import_module(module_name)
@@ -265,7 +271,7 @@ def _build_zero1_hybrid(module: nn.Module, setup: Setup) -> Wrapped:
 # Note [zero2-hybrid mode]
 # Hybrid ZeRO-2 is OSS and ShardedDataParallel both given the layout as shard_size=S: ownership
 # planned over the shard group, each bucket reduced inside it and the owner's part all-reduced
-# across the replicate group (issue 24; Note [hybrid reduction] in
+# across the replicate group (Note [hybrid reduction] in
 # shardopt.nn.data_parallel.replicas).
 
 
@@ -356,9 +362,10 @@ def _fsdp2_builder(reshard_after_forward: bool) -> Builder:
 #   is; the loss is already divided by the runner, so backward does not scale it again.
 
 
-def _deepspeed_accelerator() -> None:
-    """Pick DeepSpeed's CPU accelerator on machines without CUDA (it would, after a warning)."""
-    if not torch.cuda.is_available():
+def _deepspeed_accelerator(device_type: str | None) -> None:
+    """Pick DeepSpeed's CPU accelerator for ranks training on the CPU (``--device cpu``, or no
+    CUDA): it takes CUDA whenever torch sees it, and would put the model on a GPU."""
+    if device_type == "cpu" or not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

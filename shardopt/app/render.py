@@ -313,11 +313,13 @@ def render_plan(plan: PlanEstimate, stderr: bool = False) -> None:
     f = plan.formula
     mixed = f.param_bytes == 2
     table = Table(title=f"heaviest rank under shardopt's ownership plans: {f.world_size} ranks",
-                  caption="imbalance = heaviest rank's owned parameters over the mean; whole parameters: "
-                          "shardopt.partition.partition_by_size, what OSS and ShardedDataParallel do today; "
-                          f"row-split: shardopt.partition.plan_split ({plan.split_param_count} parameters cut into "
-                          "dim-0 row blocks), which OSS and ShardedDataParallel do not use yet (issue 27); ZeRO-3 "
-                          "shards evenly by elements, as its formula row")
+                  caption="imbalance = heaviest rank's owned parameters over the mean; row-split: "
+                          f"shardopt.partition.plan_split ({plan.split_param_count} parameters cut into dim-0 row "
+                          "blocks), what OSS (and ShardedDataParallel with it) plans by default for an optimizer "
+                          "that updates elementwise (AdamW, SGD, ...); whole parameters: "
+                          "shardopt.partition.partition_by_size, its plan for a matrix-wise optimizer (Muon, "
+                          "Adafactor) or with split_large_params=False; ZeRO-3 shards evenly by elements, as its "
+                          "formula row")
     table.add_column("stage", no_wrap=True)
     table.add_column("plan")
     table.add_column("GB, heaviest rank", justify="right")

@@ -373,7 +373,7 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
     device = _train_device(job.device)
     cfg = PRESETS[job.preset]
     batches = CharBatches(stdlib_corpus(job.corpus_bytes), job.batch_size, cfg.seq_len, rank, job.seed)
-    reason = mode.unavailable() or mode.refuses(job.precision)  # imports the mode's library: the baseline has it
+    reason = mode.unavailable(device.type) or mode.refuses(job.precision)  # imports the mode's library: the baseline has it
     if reason is not None:
         raise ValueError(reason)
     recorder = MemoryRecorder()

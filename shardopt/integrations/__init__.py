@@ -1,5 +1,6 @@
 """Integrations with training frameworks; each lives in its own module and imports its
-framework only when that module is imported.
+framework only when that module is imported (without it, the import error names the extra
+to install: ``pip install 'shardopt[hf]'`` or ``'shardopt[lightning]'``; :mod:`.extras`).
 
 * :mod:`shardopt.integrations.lightning`: Lightning strategies ``shardopt_zero1``,
   ``shardopt_zero2`` and ``shardopt_zero3`` (registered on import).

@@ -13,7 +13,10 @@ Use it where ``accelerate.Accelerator`` would be, with an :class:`~shardopt.opti
     ...  # accelerator.accumulate / backward / clip_grad_norm_ / save_state / load_state
 
 Note [Accelerate and sharded optimizers]
-Three things go wrong with a plain ``Accelerator`` (measured at 2 ranks, issue 26):
+These things go wrong with a plain ``Accelerator`` (measured at 2 ranks); with an OSS it
+stops at the first state dict read (``prepare``, or ``save_state``) with an error naming
+this class (Note [naming the integration in the state_dict error] in
+:mod:`shardopt.optim.state_transport`):
 
 * ``prepare(optimizer)`` round-trips the optimizer's state dict to place it on the device
   (``AcceleratedOptimizer.__init__``: ``load_state_dict(state_dict())``). ``OSS.state_dict()``
@@ -47,9 +50,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
+
+from shardopt.integrations.extras import raise_missing_extra
+
+try:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+except ModuleNotFoundError as e:
+    raise_missing_extra(e, __name__, "hf")
 
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardopt.optim import OSS

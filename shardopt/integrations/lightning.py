@@ -59,12 +59,18 @@ from collections.abc import Generator, Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+
+from shardopt.integrations.extras import raise_missing_extra
+
+try:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.trainer.states import TrainerFn
+except ModuleNotFoundError as e:
+    raise_missing_extra(e, __name__, "lightning")
 
 from shardopt.integrations.checkpoints import (
     CheckpointKind,

@@ -9,9 +9,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
+
+from shardopt.integrations.extras import raise_missing_extra
+
+try:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+except ModuleNotFoundError as e:
+    raise_missing_extra(e, __name__, "lightning")
 
 from shardopt.optim import ShardedGradScaler
 

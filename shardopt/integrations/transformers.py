@@ -65,8 +65,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from transformers import Trainer
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+from shardopt.integrations.extras import raise_missing_extra
+
+try:
+    from transformers import Trainer
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+except ModuleNotFoundError as e:
+    raise_missing_extra(e, __name__, "hf")
 
 from shardopt.checkpoint import load_sharded
 from shardopt.integrations.checkpoints import (

@@ -36,8 +36,9 @@ from shardopt.optim.grad_norm import clip_for_wrapper, clip_params
 from shardopt.optim.masters import MasterWeights, check_master_dtype, needs_master
 from shardopt.optim.local_shard import LocalShard, group_ranges, hyper
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
-from shardopt.optim.state_transport import (Fragments, Snapshot, StateByIndex, collect, cut_rows, migrate,
-                                            refuse_stale_masters, state_to_param, to_cpu)
+from shardopt.optim.state_transport import (Fragments, Gap, Missing, Snapshot, StateByIndex, collect, cut_rows,
+                                            dropped, migrate, no_snapshot_error, refuse_stale_masters, state_to_param,
+                                            to_cpu)
 from shardopt.partition import Partition, SplitPlan, cut_quantum, plan_split, plan_whole
 from shardopt.state_checks import MASTER_KEY, check_state_fits
 
@@ -140,7 +141,7 @@ class OSS(Optimizer):
         self.world_size = comm.group_size(self.group)
         self.rank = comm.group_rank(self.group)
         self.broadcast_fp16 = broadcast_fp16
-        self._consolidated: Snapshot | None = None
+        self._consolidated: Snapshot | Missing = Missing(Gap.NEVER)  # Note [snapshot freshness] in state_transport
         self._masters = MasterWeights(master_dtype)
         self._plan: SplitPlan  # set by _repartition, with the rest of the plan's state
         self._shard: LocalShard
@@ -314,7 +315,7 @@ class OSS(Optimizer):
         self._gather = ParamGather(
             list(params), self._plan, self.rank, self.group, DEFAULT_GATHER_BUCKET_BYTES, self.broadcast_fp16
         )
-        self._consolidated = None
+        self._consolidated = dropped(self._consolidated, Gap.REPARTITIONED)
 
     def _migrate_state(self, fragments: Fragments) -> StateByIndex:
         """Send each state fragment whose rows changed owner to the new owners, one rank at a time."""
@@ -360,7 +361,7 @@ class OSS(Optimizer):
         if tuple(p.requires_grad for p in self.params) != self._trainable_sig:
             _warn_once("trainable", "OSS: parameters were frozen or unfrozen; call refresh_trainable() on "
                        "every rank (ShardedDataParallel does it for you)")
-        self._consolidated = None
+        self._consolidated = dropped(self._consolidated, Gap.STEPPED)
         self._push_hyperparams()
         params = self.params
         self._masters.follow_outside_writes(params)
@@ -457,7 +458,8 @@ class OSS(Optimizer):
                              f"got {recipient_rank!r}; pass the rank that will save the checkpoint")
         local = {key: to_cpu(s) for key, s in self._shard.fragments(self.params).items()}
         merged = collect(local, recipient_rank, self.rank, self.world_size, self.group)
-        self._consolidated = None if merged is None else Snapshot(merged, tuple(p._version for p in self.params))
+        self._consolidated = (Missing(Gap.ELSEWHERE, recipient_rank) if merged is None
+                              else Snapshot(merged, tuple(p._version for p in self.params)))
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:  # type: ignore[override]
         """The consolidated optimizer state, as a plain ``torch.optim`` state dict.
@@ -473,16 +475,14 @@ class OSS(Optimizer):
 
         Raises:
             RuntimeError: nothing consolidated on this rank since the last step (or load,
-                group change), or a master stale after a weight write.
+                group change): the message says which, and names shardopt's integration
+                when Accelerate, the Trainer or Lightning called; or a master stale after a
+                weight write.
         """
         if all_ranks:
             self.consolidate_state_dict(recipient_rank=-1)
-        if self._consolidated is None:
-            raise RuntimeError(
-                f"[rank {self.rank}] OSS.state_dict() has no consolidated state: call "
-                "optimizer.consolidate_state_dict(recipient_rank) on every rank first (after the last "
-                "step), then state_dict() on the recipient, or state_dict(all_ranks=True) on every rank"
-            )
+        if isinstance(self._consolidated, Missing):  # why, and the fix: no_snapshot_error
+            raise no_snapshot_error(self._consolidated, self.rank, sys._getframe(1))
         if self.master_dtype is not None:
             refuse_stale_masters(self._consolidated, self.params, self.rank)
         groups = [{**hyper(g), "params": list(indices)} for g, indices in group_ranges(self.param_groups)]
@@ -557,7 +557,7 @@ class OSS(Optimizer):
                        "master_dtype: their masters restart from the parameters' values; load the model's weights "
                        "as well")
         self.state = self.optim.state  # type: ignore[assignment]
-        self._consolidated = None
+        self._consolidated = dropped(self._consolidated, Gap.LOADED)
 
     # ------------------------------------------------------------------ sharded checkpoint encoding
 

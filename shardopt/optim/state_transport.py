@@ -20,7 +20,9 @@ rest from the first. A whole parameter's single fragment passes unchanged (no co
 
 from __future__ import annotations
 
+import enum
 import itertools
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +33,8 @@ from shardopt import comm
 from shardopt.partition import SplitPlan
 from shardopt.state_checks import MASTER_KEY
 
-__all__ = ["Fragments", "Rows", "Snapshot", "StateByIndex", "assemble", "collect", "cut_rows", "join_rows", "migrate",
-           "refuse_stale_masters", "state_to_param", "to_cpu"]
+__all__ = ["Fragments", "Gap", "Missing", "Rows", "Snapshot", "StateByIndex", "assemble", "collect", "cut_rows",
+           "dropped", "join_rows", "migrate", "no_snapshot_error", "refuse_stale_masters", "state_to_param", "to_cpu"]
 
 StateByIndex = dict[int, dict[str, Any]]
 Rows = tuple[int, int]
@@ -193,7 +195,7 @@ class Snapshot:
     Consolidating is a collective, so ``OSS.state_dict()`` (called by Accelerate, Lightning,
     the Trainer at their own time) cannot retake it. What changes without a collective is
     read at ``state_dict()`` time: the groups' hyperparameters (a scheduler built after the
-    consolidation sets the warm-up lr; issue 26 measured a first step at 2e-3 instead of 0
+    consolidation sets the warm-up lr; a first step was measured at 2e-3 instead of 0
     through Accelerate's ``prepare``). What a collective changes (``step``,
     ``load_state_dict``, ``add_param_group``, ``refresh_trainable``) drops the snapshot, and
     ``state_dict()`` refuses, as fairscale's ``OSS.state_dict`` does without a
@@ -224,3 +226,104 @@ def refuse_stale_masters(snapshot: Snapshot, params: Sequence[torch.Tensor], ran
                 "on every rank again (after loading weights), or state_dict(all_ranks=True) on every rank "
                 "(Note [snapshot freshness] in shardopt.optim.state_transport)"
             )
+
+
+class Gap(enum.Enum):
+    """Why an OSS holds no consolidated state on this rank: what ``OSS.state_dict()`` reports."""
+
+    NEVER = "consolidate_state_dict() was never called on this optimizer"
+    STEPPED = "step() ran after the last consolidate_state_dict()"
+    LOADED = "a state was loaded (load_state_dict or a sharded checkpoint) after the last consolidate_state_dict()"
+    REPARTITIONED = ("parameters were added or frozen/unfrozen (add_param_group, refresh_trainable) after the last "
+                     "consolidate_state_dict()")
+    ELSEWHERE = "the last consolidate_state_dict() collected the state on another rank"
+
+
+@dataclass(frozen=True)
+class Missing:
+    """No consolidated state on this rank, and why (Note [snapshot freshness]).
+
+    Attributes:
+        gap: what happened instead of (or since) a consolidation onto this rank.
+        recipient_rank: with ``Gap.ELSEWHERE``, the rank that holds the state.
+    """
+
+    gap: Gap
+    recipient_rank: int | None = None
+
+
+def dropped(current: Snapshot | Missing, gap: Gap) -> Snapshot | Missing:
+    """What replaces ``current`` after a step, load or re-partition (``gap``): a consolidation
+    that never happened stays the reason given."""
+    return current if current == Missing(Gap.NEVER) else Missing(gap)
+
+
+# Note [naming the integration in the state_dict error]
+# Accelerate, the Hugging Face Trainer and Lightning call ``optimizer.state_dict()`` at their
+# own time without a consolidation first: Accelerate's ``prepare`` round-trips the state
+# dict to place it on the device (``AcceleratedOptimizer.__init__``) and ``save_state``
+# reads it on every rank (``accelerate.checkpointing``); the Trainer goes through the same
+# ``prepare``; Lightning's plain strategies read it in ``optimizer_state``. Consolidating is
+# a collective, so ``state_dict()`` cannot take one there (a rank calling it alone would
+# hang), and "call consolidate_state_dict" is no fix for a user who never makes that call:
+# the fix is shardopt's integration for that framework, which consolidates where the
+# framework needs it. The caller's stack tells which framework called: a frame of the
+# framework's module names it, and a frame of ``shardopt.integrations`` means shardopt's
+# own integration is in charge (no hint). Read only on the error path.
+_ROUTES = (
+    (("transformers.trainer",), "a plain transformers.Trainer",
+     "use shardopt.integrations.transformers.ShardedTrainer (sharding=Sharding(stage=1 or 2)), which consolidates "
+     "where the Trainer reads the state"),
+    (("lightning.", "pytorch_lightning."), "a Lightning strategy that is not shardopt's",
+     "use Trainer(strategy='shardopt_zero1' or 'shardopt_zero2') after import shardopt.integrations.lightning, which "
+     "consolidates where Lightning reads the state"),
+    (("accelerate.accelerator",), "a plain accelerate.Accelerator (in prepare or save_state)",
+     "use shardopt.integrations.accelerate.ShardedAccelerator (the same arguments), which prepares an OSS "
+     "without the state round trip and consolidates in save_state"),
+)
+_MAX_FRAMES = 40
+
+
+def _route(frame: types.FrameType | None) -> tuple[str, str] | None:
+    """``(who called, the fix)`` when a framework without shardopt's integration called
+    ``state_dict()`` from ``frame`` up (Note [naming the integration in the state_dict error])."""
+    modules: list[str] = []
+    while frame is not None and len(modules) < _MAX_FRAMES:
+        modules.append(str(frame.f_globals.get("__name__", "")))
+        frame = frame.f_back
+    if any(m.startswith("shardopt.integrations") for m in modules):
+        return None
+    for prefixes, who, fix in _ROUTES:
+        if any(m.startswith(prefixes) for m in modules):
+            return who, fix
+    return None
+
+
+def no_snapshot_error(missing: Missing, rank: int, caller: types.FrameType | None) -> RuntimeError:
+    """The error of ``OSS.state_dict()`` without a consolidated state on this rank: why, and
+    the fix (shardopt's integration when a framework called it, Note [naming the integration
+    in the state_dict error]).
+
+    Args:
+        missing: why there is no state.
+        rank: this rank, for the message.
+        caller: the frame that called ``state_dict()``.
+
+    Returns:
+        The RuntimeError to raise.
+    """
+    why = missing.gap.value
+    if missing.gap is Gap.ELSEWHERE:
+        why = f"the last consolidate_state_dict() collected the state on rank {missing.recipient_rank}, not this rank"
+    head = f"[rank {rank}] OSS.state_dict() has no consolidated state ({why})"
+    route = _route(caller)
+    if route is not None:
+        who, fix = route
+        return RuntimeError(f"{head}; it was called by {who}, which reads the state dict on every rank without "
+                            f"consolidating it first (a collective): {fix}")
+    if missing.gap is Gap.ELSEWHERE:
+        return RuntimeError(f"{head}: call state_dict() on rank {missing.recipient_rank}, or "
+                            "consolidate_state_dict(recipient_rank=-1) on every rank to have it on every rank")
+    return RuntimeError(f"{head}: call optimizer.consolidate_state_dict(recipient_rank) on every rank first (after "
+                        "the last step), then state_dict() on the recipient, or state_dict(all_ranks=True) on every "
+                        "rank")

@@ -7,8 +7,9 @@ import pytest
 
 from shardopt.app.cli import main
 
-TINY = ["--model", "tiny", "--batch-size", "2", "--threads-per-rank", "1"]
-"""Arguments for a quick run: the tiny model, batch 2, one thread per rank."""
+TINY = ["--model", "tiny", "--batch-size", "2", "--threads-per-rank", "1", "--device", "cpu"]
+"""Arguments for a quick run: the tiny model, batch 2, one thread per rank, on the CPU (gloo)
+even where a GPU is visible (``--device auto`` would take it: NCCL with one GPU per rank)."""
 
 
 def assert_one_line_errors(cases: list[tuple[list[str], str]], capsys: pytest.CaptureFixture[str]) -> None:

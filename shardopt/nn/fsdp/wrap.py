@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,30 +63,80 @@ class SizePolicy:
         return unwrapped_numel >= self.min_num_params
 
 
-@dataclass(frozen=True)
+def _values(given: Any, single: tuple[type, ...]) -> tuple[Any, ...]:
+    """``given`` as a tuple: one value of a ``single`` type (or not iterable) alone, else its items."""
+    if isinstance(given, single) or not isinstance(given, Iterable):
+        return (given,)
+    return tuple(given)
+
+
+@dataclass(frozen=True, init=False)
 class ModuleClassPolicy:
     """Wrap every module that is an instance of one of ``classes`` (e.g. a transformer block).
 
+    Takes what torch's ``ModuleWrapPolicy`` takes: ``ModuleClassPolicy({Block})``,
+    ``ModuleClassPolicy((Block, nn.Embedding))`` or ``ModuleClassPolicy(Block)``.
+
+    Args:
+        classes: one ``nn.Module`` subclass or any iterable of them (set, list, tuple).
+
     Attributes:
-        classes: the module classes to wrap.
+        classes: the module classes to wrap, as a tuple sorted by qualified name (a set's
+            order differs between processes).
+
+    Raises:
+        TypeError: an element is not an ``nn.Module`` subclass (an instance, a class name
+            as a string), named with the fix.
+        ValueError: ``classes`` is empty (nothing would be wrapped).
     """
 
     classes: tuple[type[nn.Module], ...]
+
+    def __init__(self, classes: type[nn.Module] | Iterable[type[nn.Module]]) -> None:
+        items = _values(classes, (type, str))
+        for c in items:
+            if not (isinstance(c, type) and issubclass(c, nn.Module)):
+                what = (f"an instance of {type(c).__name__}" if isinstance(c, nn.Module)
+                        else f"the string {c!r} (a name, not the class)" if isinstance(c, str) else repr(c))
+                raise TypeError(
+                    f"ModuleClassPolicy takes nn.Module subclasses, got {what}; pass the classes themselves, e.g. "
+                    "ModuleClassPolicy({Block}) or ModuleClassPolicy((Block, nn.Embedding))"
+                )
+        if not items:
+            raise ValueError("ModuleClassPolicy got no classes, so it would wrap nothing (the model would be one "
+                             "unit); pass the block class, e.g. ModuleClassPolicy({Block}), or auto_wrap_policy=None")
+        ordered = sorted(set(items), key=lambda c: (c.__module__, c.__qualname__))
+        object.__setattr__(self, "classes", tuple(ordered))
 
     def __call__(self, module: nn.Module, name: str, unwrapped_numel: int) -> bool:
         """Return whether ``module`` should be a unit."""
         return isinstance(module, self.classes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class NameGlobPolicy:
     """Wrap modules whose qualified name (without wrapper prefixes) matches a glob.
 
+    Args:
+        patterns: one ``fnmatch`` pattern such as ``"blocks.*"`` or any iterable of them
+            (a single string is one pattern, not its characters).
+
     Attributes:
-        patterns: ``fnmatch`` patterns such as ``"blocks.*"``.
+        patterns: the patterns, as a tuple.
+
+    Raises:
+        TypeError: a pattern is not a string.
     """
 
     patterns: tuple[str, ...]
+
+    def __init__(self, patterns: str | Iterable[str]) -> None:
+        items = _values(patterns, (str,))
+        bad = [p for p in items if not isinstance(p, str)]
+        if bad:
+            raise TypeError(f"NameGlobPolicy takes fnmatch patterns as strings, got {bad[0]!r}; pass e.g. "
+                            "NameGlobPolicy(('blocks.*', 'ln_f'))")
+        object.__setattr__(self, "patterns", items)
 
     def __call__(self, module: nn.Module, name: str, unwrapped_numel: int) -> bool:
         """Return whether ``module`` should be a unit."""
