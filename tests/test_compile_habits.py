@@ -41,9 +41,15 @@ from typing import Any
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
+from shardopt.nn.fsdp import ModuleClassPolicy
 from shardopt.testing import run_ranks
-from tests.helpers.compile_habits import HABITS, SGD_LR, STEPS, UNITS_AROUND_CHECKPOINTS, Habit, Run, max_diff, run
+from tests.helpers.compile_habits import (HABITS, SGD_LR, STEPS, UNITS_AROUND_CHECKPOINTS, GraphCount, Habit, Run,
+                                          max_diff, run)
+from tests.helpers.data import max_abs_diff
+from tests.helpers.gpt import Block, gpt, lm_loss, tokens
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
@@ -169,3 +175,44 @@ def test_compile_and_checkpoint_habits_train_like_ddp_doing_the_same(stage: str)
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_every_habit_on_inductor_trains_like_ddp_doing_the_same(stage: str) -> None:
     _check(stage, _slow_cases(stage))
+
+
+def _train_eagerly_or_compiled(wrapper: torch.nn.Module, rank: int, fullgraph: bool | None) -> tuple[list[Any], int]:
+    """STEPS Adam steps; compiled on aot_eager unless ``fullgraph`` is None. The state and the graph count."""
+    torch._dynamo.reset()
+    count = GraphCount("aot_eager")
+    call = wrapper if fullgraph is None else torch.compile(wrapper, backend=count, fullgraph=fullgraph)
+    opt = torch.optim.Adam(wrapper.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        toks = tokens(rank, step)
+        opt.zero_grad()
+        lm_loss(call(toks), toks).backward()
+        opt.step()
+    state = (wrapper if isinstance(wrapper, FSDP) else wrapper.get_submodule("module")).state_dict()
+    return [v.detach().clone() for v in state.values()], len(count.graphs)
+
+
+def _fullgraph(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    torch._dynamo.reset()
+    model = FSDP(gpt(), auto_wrap_policy=ModuleClassPolicy((Block,)))
+    with pytest.raises(Exception) as info:  # torch._dynamo.exc.Unsupported
+        torch.compile(model, backend="aot_eager", fullgraph=True)(tokens(rank, 0))
+    out["refused"] = str(info.value)
+    # nothing lost: the same model then trains as DDP does
+    out["diff_after"] = max_abs_diff(_train_eagerly_or_compiled(model, rank, None)[0],
+                                     _train_eagerly_or_compiled(DDP(gpt()), rank, None)[0])
+    # one unit: the wrapped model is one graph, so fullgraph holds, and it trains like DDP
+    # compiled (DDP's own forward graph-breaks, so not with fullgraph)
+    mine, graphs = _train_eagerly_or_compiled(FSDP(gpt()), rank, True)
+    out["diff_one_unit"] = max_abs_diff(mine, _train_eagerly_or_compiled(DDP(gpt()), rank, False)[0])
+    out["graphs"] = graphs
+    return out
+
+
+def test_fullgraph_across_units_is_refused_at_the_first_forward_naming_the_per_block_recipe() -> None:
+    for out in run_ranks(_fullgraph, 2, timeout_s=TIMEOUT_S):
+        assert "a FullyShardedDataParallel unit ends the graph" in out["refused"], out["refused"]
+        assert "fullgraph=True) cannot span units" in out["refused"] and "block.compile()" in out["refused"]
+        assert out["diff_after"] == 0.0, out
+        assert out["diff_one_unit"] == 0.0 and out["graphs"] == 1, out

@@ -180,7 +180,7 @@ class Mode:
         if setup.precision.param_dtype != torch.float32:
             module = module.to(setup.precision.param_dtype)
         if setup.compile:  # Note [--compile in every mode]
-            for block in module.blocks:
+            for block in module.get_submodule("blocks").children():
                 block.compile()
         wrapped = self.build(module, setup)
         wrapped.param_names = names

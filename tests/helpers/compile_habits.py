@@ -3,9 +3,8 @@ DDP or FSDP2 script applies them, and the three ZeRO stages built around the res
 
 A :class:`Habit` says what the script does to the plain model before wrapping it
 (activation checkpointing on every block, ``block.compile()`` on every block, or
-``torch.compile(model)``) and whether it compiles the wrapper afterwards. :func:`train`
-then runs the same steps on a stage and on DDP doing the same, with a backend that counts
-the graphs it is given.
+``torch.compile(model)``) and whether it compiles the wrapper afterwards. :func:`run`
+trains a stage (or DDP) with it, compiled by a backend that counts the graphs it is given.
 """
 
 from __future__ import annotations
@@ -117,12 +116,12 @@ class Stage:
     close: Callable[[], None] = lambda: None
 
 
-def _optimizer(params: Any, sgd: bool, **oss: Any) -> torch.optim.Optimizer:
-    kind: type[torch.optim.Optimizer] = torch.optim.SGD if sgd else torch.optim.Adam
-    lr = SGD_LR if sgd else ADAM_LR
-    if oss.pop("sharded", False):
-        return OSS(params, optim=kind, lr=lr)
-    return kind(params, lr=lr)
+def _optimizer(params: Any, sgd: bool) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=SGD_LR) if sgd else torch.optim.Adam(params, lr=ADAM_LR)
+
+
+def _oss(params: Any, sgd: bool) -> OSS:
+    return OSS(params, optim=torch.optim.SGD, lr=SGD_LR) if sgd else OSS(params, optim=torch.optim.Adam, lr=ADAM_LR)
 
 
 def _values(module: nn.Module) -> Callable[[], list[torch.Tensor]]:
@@ -138,11 +137,12 @@ def build_stage(stage: str, model: nn.Module, habit: Habit, sgd: bool) -> Stage:
     """
     if stage in ("ddp", "zero1"):
         ddp = DDP(model)
-        return Stage(ddp, _optimizer(model.parameters(), sgd, sharded=stage == "zero1"), _values(model))
+        opt = _oss(model.parameters(), sgd) if stage == "zero1" else _optimizer(model.parameters(), sgd)
+        return Stage(ddp, opt, _values(model))
     if stage == "zero2":
-        opt = _optimizer(model.parameters(), sgd, sharded=True)
-        sdp = ShardedDataParallel(model, opt)
-        return Stage(sdp, opt, _values(model), sdp.close)
+        oss = _oss(model.parameters(), sgd)
+        sdp = ShardedDataParallel(model, oss)
+        return Stage(sdp, oss, _values(model), sdp.close)
     unit = CheckpointWrapper if habit.units_around_checkpoints else Block
     fsdp = FSDP(model, auto_wrap_policy=ModuleClassPolicy((unit,)))
     return Stage(fsdp, _optimizer(fsdp.parameters(), sgd), _values(fsdp))
@@ -155,7 +155,7 @@ class Run:
     Attributes:
         state: the full parameters and buffers after the last step.
         graphs: how many graphs ``torch.compile`` compiled for it.
-        grad_scale: the largest gradient element this rank saw before any step.
+        grad_scale: the largest gradient element this rank's optimizer saw in any step.
         param_scale: the largest parameter element after the last step.
     """
 

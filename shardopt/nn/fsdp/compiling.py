@@ -26,7 +26,7 @@ traces the two steps around the wrapped module (``recursive=True``): entering (t
 lazy setup, gather, inputs hooked) and leaving (outputs hooked, reshard or hold). So the
 wrapped module's ``forward`` is compiled as a frame of its own, always with the full,
 gathered parameters, and the swaps, collectives and hooks run eagerly as without compile.
-The backward hooks are autograd hooks, never traced (compiled autograd is not supported).
+The backward hooks are autograd hooks, never traced (compiled autograd is not covered).
 Autograd's saved aliases of a parameter view the unit's full buffer, whose storage the
 reshard frees and the next gather refills in place, so they are valid again when the
 backward needs them.
@@ -37,7 +37,11 @@ in a ``for`` loop cannot resume inside the loop, so Dynamo runs that frame (the 
 embedding, final norm and head) eagerly and compiles each block's ``forward``: one graph,
 reused by every block of the same shapes (measured on the tests' GPT: 1 graph for 2 and for
 10 blocks, no recompilation). Compiling each block in place (``block.compile()`` before
-wrapping) gives the same graphs without the skipped frame; see docs/compile.md.
+wrapping) gives the same graphs and leaves the root's frame alone; see docs/compile.md.
+Dynamo cannot end a graph inside an activation-checkpointed region either, so a unit inside
+one leaves the region uncompiled (eager, correct): the units must enclose the checkpointed
+blocks. With ``fullgraph=True`` a unit inside the compiled code is an error at the first
+forward, whose message (the reason given to ``torch.compiler.disable``) names the recipe.
 
 Why at the first construction and not at import: ``torch.compiler.disable`` imports
 ``torch._dynamo``, about a second on the CPUs measured, which ``import shardopt`` should not
@@ -51,7 +55,9 @@ import torch
 
 __all__ = ["keep_out_of_graphs"]
 
-_REASON = "shardopt FullyShardedDataParallel runs its units' gather, reshard and hooks eagerly"
+_REASON = ("a FullyShardedDataParallel unit ends the graph: its gather, reshard and hooks run eagerly, so "
+           "torch.compile(..., fullgraph=True) cannot span units; compile each unit's module instead, e.g. "
+           "block.compile() on every block before wrapping (shardopt's docs/compile.md)")
 
 
 def keep_out_of_graphs(cls: type, frame: str, steps: tuple[str, ...]) -> None:

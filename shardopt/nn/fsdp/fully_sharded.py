@@ -221,7 +221,6 @@ class FullyShardedDataParallel(nn.Module):
     def _units(self) -> list[FullyShardedDataParallel]:
         return FullyShardedDataParallel.fsdp_modules(self)
 
-
     def _lazy_init(self) -> None:
         """At the outermost wrapper's first forward: one step context for every unit of its tree."""
         if self._unit.context is None:
@@ -262,13 +261,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _enter_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any, ForwardKind]:
         self._lazy_init()
-        unit = self._unit
-        if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
-            raise ValueError(
-                f"forward of FSDP unit {unit.name!r} was called inside summon_full_params; "
-                "run the forward after leaving the summon_full_params context"
-            )
-        return unit.pre_forward(args, kwargs)
+        return self._unit.pre_forward(args, kwargs)
 
     def _leave_forward(self, out: Any, kind: ForwardKind) -> None:
         self._unit.post_forward(out, kind)
