@@ -93,8 +93,9 @@ def _sgd_tolerance(ref: Run) -> float:
     rounds once more (half an ulp of the parameter, ``2**-24 * param_scale``), and the
     second-order effect of the already-different parameters on the next gradient is far
     smaller over 4 steps. So the parameters differ by at most
-    ``STEPS * (lr * 2**-14 * grad_scale + 2**-24 * param_scale)``: about 1e-4 here, while a
-    gradient reduced wrongly or a step on stale parameters moves them by 1e-2 or more.
+    ``STEPS * (lr * 2**-14 * grad_scale + 2**-24 * param_scale)``: 4.1e-5 here (1.2e-7
+    measured), while a gradient left unaveraged or a step on stale parameters moves the
+    largest of them by about ``lr * grad_scale``, 0.16 here.
     """
     return STEPS * (SGD_LR * 2**-14 * ref.grad_scale + 2**-24 * ref.param_scale)
 
