@@ -1,14 +1,26 @@
 """Test setup: one intra-op thread (so forking ranks is safe and fast, see Note [fork safety]
-in shardopt.testing) and torch's lazily imported modules loaded once in the parent, so
-forked ranks do not each pay for them."""
+in shardopt.testing), torch's lazily imported modules loaded once in the parent, so
+forked ranks do not each pay for them, and one inductor cache per CPU capability.
+
+Note [one inductor cache per CPU capability]
+torch 2.13's inductor FX graph cache hands a graph compiled under ATEN_CPU_CAPABILITY=avx2
+to a run without it (AVX-512 kernels expected) on the same machine: the ranks then corrupt
+their heap ("malloc(): unaligned tcache chunk detected") at the first compiled forward, and
+with TORCHINDUCTOR_FX_GRAPH_CACHE=0 they do not. The numerics tests run under both, so each
+capability gets its own cache directory unless TORCHINDUCTOR_CACHE_DIR is set.
+"""
 
 from __future__ import annotations
 
+import getpass
 import multiprocessing.process
 import os
 import subprocess
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(  # Note [one inductor cache per CPU capability]
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY') or 'native'}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -31,10 +43,16 @@ def _in_process_tests_start_no_process(request: pytest.FixtureRequest, monkeypat
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run the tests marked slow (inductor sweeps that take minutes)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
+    skip_slow = None if config.getoption("--run-slow") else pytest.mark.skip(reason="slow: run with --run-slow")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if skip_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if skip_slow is not None and "slow" in item.keywords:
+            item.add_marker(skip_slow)

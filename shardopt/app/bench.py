@@ -71,6 +71,8 @@ class BenchConfig:
         skipped: ``(name, reason)`` of requested peer modes that cannot run here (their
             library is missing); shown under the table and kept in the JSON.
         shard_size: S for the hybrid modes (``--shard-size``), ``None`` when none runs.
+        compile: every mode compiles the model's blocks (``--compile``; Note [--compile in
+            every mode] in :mod:`shardopt.app.modes`).
     """
 
     modes: tuple[str, ...]
@@ -88,6 +90,7 @@ class BenchConfig:
     device: str = "auto"
     skipped: tuple[tuple[str, str], ...] = ()
     shard_size: int | None = None
+    compile: bool = False
 
 
 @record
@@ -181,7 +184,7 @@ def run_bench(config: BenchConfig) -> int:
                 "threads_per_rank": config.threads_per_rank, "model": config.model,
                 "num_params": results[0].ranks[0]["num_params"], "steps": config.steps,
                 "warmup_steps": config.warmup_steps, "batch_size": config.batch_size, "seed": config.seed,
-                "rounds": config.rounds, "shard_size": config.shard_size,
+                "rounds": config.rounds, "shard_size": config.shard_size, "compile": config.compile,
                 "results": [{**r.__dict__, "precision": resolve(r.mode)[1].describe()} for r in results],
                 "skipped": [{"mode": name, "reason": reason} for name, reason in config.skipped],
             }, json_stream)
@@ -209,7 +212,8 @@ def _run_modes(args: BenchConfig, console: Console) -> list[ModeResult]:
                                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                       warmup_steps=args.warmup_steps, params_out=params_path,
                                       threads_per_rank=args.threads_per_rank, device=args.device,
-                                      shard_size=args.shard_size if mode.hybrid else None)
+                                      shard_size=args.shard_size if mode.hybrid else None,
+                                      compile=args.compile)
                 where = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
                 progress.update(task, description=f"{name} on {world} ranks ({args.steps} steps){where}")
                 ranks = run_launched("bench", bench_rank, world, job, args.json_path == JSON_TO_STDOUT)[0]
@@ -332,7 +336,7 @@ def bench_table(args: BenchConfig, world: int, results: list[ModeResult]) -> Tab
     skipped = "".join(f"; skipped {name}: {reason}" for name, reason in args.skipped)
     table = Table(
         title=f"shardopt bench: model {args.model} ({results[0].ranks[0]['num_params'] / 1e6:.2f}M params), Adam, "
-              f"{world} ranks, batch {args.batch_size}",
+              f"{world} ranks, batch {args.batch_size}{', blocks compiled' if args.compile else ''}",
         caption=f"MiB per rank (rank 0 / rank 1 / ...); heap = malloc'ed bytes above the value before the model "
                 f"was built; sent = /proc/self/io wchar per step; median over {counted} steps{pooled} after "
                 f"{args.warmup_steps} warm-up each, ranks barrier-aligned; ratios against ddp (worst rank); sent by "

@@ -155,6 +155,10 @@ def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: st
     p.add_argument("--shard-size", type=_local_ranks, default=None,
                    help="S, ranks per shard group for the hybrid modes (zero1-hybrid, zero2-hybrid): shard inside "
                    "groups of S consecutive ranks, replicate across them; must divide the world size")
+    p.add_argument("--compile", action="store_true",
+                   help="compile every transformer block with torch.compile (inductor; on the CPU it needs a C++ "
+                   "compiler) before the mode wraps the model, the same in every mode; the first steps include "
+                   "the compile time, so count them as warm-up (docs/compile.md)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="auto: NCCL with one GPU per local rank when there are enough GPUs, else gloo on the CPU; "
                    "cuda: GPUs even when local ranks must share them (gloo then); cpu: gloo on the CPU "
@@ -349,7 +353,7 @@ def _demo(args: argparse.Namespace) -> int:
         grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp, precision=precision,
         warmup_steps=args.warmup_steps, checkpoint_path=checkpoint_path, resume=args.resume or args.resume_if_exists,
         save_every_steps=args.save_every, threads_per_rank=_threads_per_rank(args, world), device=args.device,
-        shard_size=args.shard_size,
+        shard_size=args.shard_size, compile=args.compile,
     )
     if job.resume and checkpoint_path and os.path.exists(checkpoint_path):
         _check_checkpoint(job)
@@ -440,7 +444,7 @@ def _bench(args: argparse.Namespace) -> int:
         modes=tuple(names), model=args.model, steps=args.steps, warmup_steps=args.warmup_steps,
         batch_size=args.batch_size, lr=args.lr, seed=args.seed, rounds=args.rounds, world_size=world,
         threads_per_rank=_threads_per_rank(args, world), json_path=args.json, plot_path=args.plot,
-        device=args.device, skipped=tuple(skipped), shard_size=args.shard_size,
+        device=args.device, skipped=tuple(skipped), shard_size=args.shard_size, compile=args.compile,
     ))
 
 

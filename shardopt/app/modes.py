@@ -101,6 +101,8 @@ class Setup:
         grad_accum_steps: micro-batches per optimizer step.
         shard_size: S, ranks per shard group, for the hybrid modes (:attr:`Mode.hybrid`);
             ``None`` for the others.
+        compile: compile every transformer block in place before the mode wraps the model
+            (Note [--compile in every mode]).
     """
 
     lr: float
@@ -109,6 +111,7 @@ class Setup:
     batch_size: int = 1
     grad_accum_steps: int = 1
     shard_size: int | None = None
+    compile: bool = False
 
 
 Builder = Callable[[nn.Module, Setup], Wrapped]
@@ -157,8 +160,9 @@ class Mode:
     hybrid: bool = False
 
     def wrap(self, module: nn.Module, setup: Setup) -> Wrapped:
-        """:attr:`build` after casting ``module`` to the precision's parameter dtype, with
-        :attr:`Wrapped.param_names` read before it is wrapped.
+        """:attr:`build` after casting ``module`` to the precision's parameter dtype (and,
+        with :attr:`Setup.compile`, compiling its blocks), with :attr:`Wrapped.param_names`
+        read before it is wrapped.
 
         Args:
             module: the freshly built fp32 model (the same on every rank).
@@ -176,6 +180,9 @@ class Mode:
         names = tuple(name for name, _ in module.named_parameters())
         if setup.precision.param_dtype != torch.float32:
             module = module.to(setup.precision.param_dtype)
+        if setup.compile:  # Note [--compile in every mode]
+            for block in module.get_submodule("blocks").children():
+                block.compile()
         wrapped = self.build(module, setup)
         wrapped.param_names = names
         return wrapped
@@ -211,6 +218,20 @@ class Mode:
         if not hasattr(module, attr):
             return f"mode {self.name!r} needs {module_name}.{attr}, which this installation lacks; {self.install_hint}"
         return None
+
+
+# Note [--compile in every mode]
+# `shardopt demo/bench --compile` compiles every transformer block in place (`block.compile()`,
+# torch.compile's default inductor backend) after the precision cast and before the mode
+# wraps the model: torchtitan's order (checkpointing, compile, shard), and the one recipe
+# that compiles the same code in every mode. Under zero3 a graph ends at every unit, so
+# compiling the whole wrapper would compile the blocks and nothing else (the GPT calls its
+# block units in a loop, whose frame Dynamo then runs eagerly: Note [compiling
+# FullyShardedDataParallel] in shardopt.nn.fsdp.compiling); ddp, zero1 and zero2 could compile
+# the whole model into one graph, but then a bench would compare different compiled code. So
+# in every mode the blocks run compiled and the embeddings, the final norm, the head and the
+# loss run eagerly. Parameter names do not change (no `_orig_mod.`), so checkpoints move
+# between compiled and eager runs. docs/compile.md has the recipes for user scripts.
 
 
 def _plain_no_sync() -> ContextManager[Any]:

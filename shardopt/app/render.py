@@ -129,7 +129,8 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
     median = statistics.median(r.median_step_s for r in reports if r.median_step_s is not None) \
         if all(r.median_step_s is not None for r in reports) else None
     tokens_s = f"{first.tokens_per_step / median:,.0f}" if median else "n/a"
-    precision = "" if job.precision.name == "fp32" else f" ({job.precision.describe()})"
+    precision = ("" if job.precision.name == "fp32" else f" ({job.precision.describe()})") + (
+        ", blocks compiled" if job.compile else "")
     table = Table(title=f"shardopt demo: {job.mode}{precision}, model {job.preset} ({first.num_params / 1e6:.2f}M params), "
                         f"{first.world_size} ranks ({first.backend})",
                   caption=f"final loss (mean over ranks) {mean_loss:.4f}; {tokens_s} tokens/s; steps "
@@ -176,7 +177,8 @@ def _demo_rank(job: runner.TrainJob, json_path: str | None, json_stream: IO[str]
         if rank != 0:
             runner.train(job)
             return None
-        precision = "" if job.precision.name == "fp32" else f" ({job.precision.describe()})"
+        precision = ("" if job.precision.name == "fp32" else f" ({job.precision.describe()})") + (
+            ", blocks compiled" if job.compile else "")
         console.print(f"shardopt demo: training {job.preset} with {job.mode}{precision} on {dist.get_world_size()} "
                       f"ranks, {job.steps} steps")
         columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("loss {task.fields[loss]}"),

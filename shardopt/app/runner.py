@@ -63,6 +63,8 @@ class TrainJob:
         threads_per_rank: intra-op threads per rank.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (see :func:`init_process_group_from_env`).
         shard_size: S, ranks per shard group, for a hybrid mode (``None`` otherwise).
+        compile: compile every transformer block with ``torch.compile`` before wrapping
+            (Note [--compile in every mode] in :mod:`shardopt.app.modes`).
 
     Raises:
         ValueError: ``amp`` with a precision other than fp32.
@@ -86,6 +88,7 @@ class TrainJob:
     threads_per_rank: int = 1
     device: str = "auto"
     shard_size: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.amp is not None and self.precision.name != "fp32":
@@ -136,6 +139,8 @@ class RankReport:
         group_bytes_per_step: mean bytes sent per counted step by group kind (``world``,
             ``shard``, ``replicate``, ``other``; Note [bytes per group] in
             :mod:`shardopt.app.group_bytes`), or ``None`` for peers' modes.
+        compiled_graphs: with ``--compile``, the graphs ``torch.compile`` compiled on this
+            rank (the blocks of one shape share one), else ``None``.
     """
 
     rank: int
@@ -154,6 +159,7 @@ class RankReport:
     device_peak: int | None
     backend: str
     group_bytes_per_step: dict[str, float] | None = None
+    compiled_graphs: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values for JSON."""
@@ -380,7 +386,7 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
     recorder.start()
     module = build_model(cfg, seed=job.seed, device=device)
     num_params = sum(p.numel() for p in module.parameters())
-    setup = Setup(job.lr, device, job.precision, job.batch_size, job.grad_accum_steps, job.shard_size)
+    setup = Setup(job.lr, device, job.precision, job.batch_size, job.grad_accum_steps, job.shard_size, job.compile)
     group_bytes = None if mode.peer else GroupBytes(job.shard_size)
     with group_bytes.installed() if group_bytes is not None else contextlib.nullcontext():
         wrapped = mode.wrap(module, setup)
@@ -408,12 +414,20 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
         device_peak=recorder.device_peak, backend=str(dist.get_backend()),
         group_bytes_per_step={k: sum(d[k] for d in by_group) / len(by_group) for k in GROUP_KINDS}
         if group_bytes is not None and by_group else None,
+        compiled_graphs=_compiled_graphs() if job.compile else None,
     )
     if job.params_out is not None:
         params = full_parameters(wrapped)
         if rank == 0:
             torch.save(params, job.params_out)
     return list(comm.all_gather_object(report, None))
+
+
+def _compiled_graphs() -> int:
+    """Graphs Dynamo compiled in this process (its own statistics counter)."""
+    from torch._dynamo.utils import counters  # here, not at the top: a second of import for every command
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _steps(job: TrainJob, wrapped: Wrapped, batches: CharBatches, start: int, scaler: Any | None,

@@ -23,6 +23,7 @@ from torch import nn
 
 from shardopt import clipping, comm
 from shardopt.nn.fsdp import grad_norm, optim_state_dict
+from shardopt.nn.fsdp.compiling import keep_out_of_graphs
 from shardopt.nn.fsdp.construction import prepare
 from shardopt.nn.fsdp.context import StepContext
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
@@ -33,7 +34,7 @@ from shardopt.nn.fsdp.options import (
     UnitConfig,
     make_config,
 )
-from shardopt.nn.fsdp.records import TrainingState
+from shardopt.nn.fsdp.records import ForwardKind, TrainingState
 from shardopt.nn.fsdp.state_dict import WRAPPED, ParentLoad, WrappedStateDict, check_loadable, clean_name
 from shardopt.nn.fsdp.state_dict import load_sharded, sharded_state, under_prefix
 from shardopt.nn.fsdp.unit import Unit, summon_units
@@ -107,6 +108,8 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         comm.require_initialized("FullyShardedDataParallel")
+        # Note [compiling FullyShardedDataParallel] in compiling
+        keep_out_of_graphs(FullyShardedDataParallel, "forward", ("_enter_forward", "_leave_forward"))
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError(
                 "module is already a FullyShardedDataParallel; wrapping it again would shard a flat "
@@ -218,7 +221,6 @@ class FullyShardedDataParallel(nn.Module):
     def _units(self) -> list[FullyShardedDataParallel]:
         return FullyShardedDataParallel.fsdp_modules(self)
 
-
     def _lazy_init(self) -> None:
         """At the outermost wrapper's first forward: one step context for every unit of its tree."""
         if self._unit.context is None:
@@ -238,6 +240,9 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward on gathered parameters (Note [hook order] in ``unit``).
 
+        Under ``torch.compile`` this frame and the unit's steps run eagerly and the wrapped
+        module's forward is compiled (Note [compiling FullyShardedDataParallel] in ``compiling``).
+
         Args:
             *args, **kwargs: the wrapped module's inputs; floating point tensors are cast to
                 the mixed precision ``param_dtype`` when one is set.
@@ -249,17 +254,17 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: called inside ``summon_full_params``, or a previous backward never
                 reached FSDP's hooks (an output type FSDP cannot look into).
         """
-        self._lazy_init()
-        unit = self._unit
-        if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
-            raise ValueError(
-                f"forward of FSDP unit {unit.name!r} was called inside summon_full_params; "
-                "run the forward after leaving the summon_full_params context"
-            )
-        args, kwargs, kind = unit.pre_forward(args, kwargs)
+        args, kwargs, kind = self._enter_forward(args, kwargs)
         out = self._fsdp_wrapped_module(*args, **kwargs)
-        unit.post_forward(out, kind)
+        self._leave_forward(out, kind)
         return out
+
+    def _enter_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any, ForwardKind]:
+        self._lazy_init()
+        return self._unit.pre_forward(args, kwargs)
+
+    def _leave_forward(self, out: Any, kind: ForwardKind) -> None:
+        self._unit.post_forward(out, kind)
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager

@@ -188,8 +188,14 @@ class Unit:
             The (cast, hooked) inputs and the kind of this forward call.
 
         Raises:
-            ValueError: a previous backward never reached FSDP's hooks (root only).
+            ValueError: called inside ``summon_full_params``, or a previous backward never
+                reached FSDP's hooks (root only).
         """
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            raise ValueError(
+                f"forward of FSDP unit {self.name!r} was called inside summon_full_params; "
+                "run the forward after leaving the summon_full_params context"
+            )
         ctx = self._ctx()
         if self.is_root:
             self._check_unseen_backward()
