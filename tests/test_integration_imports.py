@@ -27,6 +27,8 @@ def test_import_without_the_framework_names_the_pip_extra(monkeypatch: pytest.Mo
     for name in (integration, *also):
         monkeypatch.delitem(sys.modules, name, raising=False)  # import it afresh; restored afterwards
     monkeypatch.setitem(sys.modules, framework, None)
+    for name in [n for n in sys.modules if n.startswith(f"{framework}.")]:  # imported by earlier tests in this
+        monkeypatch.setitem(sys.modules, name, None)  # process: `import lightning.pytorch` would find it first
     with pytest.raises(ModuleNotFoundError) as info:
         importlib.import_module(integration)
     packages = " and ".join(EXTRAS[extra])
