@@ -55,9 +55,10 @@ from typing import Any
 
 import torch
 
+from shardopt.optim.state_transport import compact
 from shardopt.partition import CUT_ALIGN_ELEMENTS
 
-__all__ = ["FlatGroup", "Layout", "Segment", "compact", "plan_segments"]
+__all__ = ["FlatGroup", "Layout", "Segment", "compact_state", "plan_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +114,10 @@ def plan_segments(entries: Sequence[tuple[int, torch.Size]], flatten: bool) -> t
     return segments, sum(s.numel for s in segments if s.in_flat)
 
 
-def compact(state: Mapping[str, Any]) -> dict[str, Any]:
+def compact_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with every tensor that is a view of a larger storage (a flat buffer of an
     earlier plan) copied, so that keeping it does not keep the whole buffer alive."""
-    return {k: v.clone() if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() > v.numel() * v.element_size()
-            else v for k, v in state.items()}
+    return {k: compact(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 class FlatGroup:

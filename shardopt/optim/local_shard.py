@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from shardopt import comm
 from shardopt.agreement import raise_if_any_failed
 from shardopt.optim.elementwise import updates_elementwise
-from shardopt.optim.flat_masters import FlatGroup, Layout, compact
+from shardopt.optim.flat_masters import FlatGroup, Layout, compact_state
 from shardopt.optim.masters import MasterWeights, needs_master
 from shardopt.optim.owned_rows import OwnedRows
 from shardopt.optim.state_transport import Fragments, StateByIndex, state_to_param
@@ -101,7 +101,7 @@ class LocalShard:
         raise_if_any_failed(f"OSS: building {optim_cls.__qualname__} over the parameters each rank owns", failure,
                             group)
         assert self.optim is not None
-        self.parked = {i: compact(s) for i, s in carried.items() if i not in trainable}
+        self.parked = {i: compact_state(s) for i, s in carried.items() if i not in trainable}
         live = {i: s for i, s in carried.items() if i in trainable and s}
         for flat_group in self.masters.groups:
             if flat_group.flat is None:
@@ -114,7 +114,7 @@ class LocalShard:
         self._relist(params)
         for i, state in live.items():
             if not self._in_flat(i):
-                self.optim.state[self.holder(i, params[i])] = compact(state)
+                self.optim.state[self.holder(i, params[i])] = compact_state(state)
         return self.optim
 
     def _in_flat(self, index: int) -> bool:
