@@ -126,7 +126,7 @@ class FlatGroup:
     How it works: :attr:`data` holds every master, :attr:`masters` are views of it, and
     :attr:`flat` (when some segment is aligned) is the view over the aligned ones that the
     wrapped optimizer steps while :attr:`layout` is ``FLAT``. Gradients go to segments of a
-    second buffer, allocated by the first :meth:`put_grad` and freed by :meth:`free_grads`.
+    second buffer, allocated by the first :meth:`take_grads` and freed by :meth:`free_grads`.
     The buffer's values are uninitialised until the owner fills the masters.
 
     Args:
@@ -165,30 +165,36 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ gradients
 
-    def _slot(self, index: int) -> torch.Tensor:
-        """The view of the gradient buffer for ``params[index]``'s master (allocating the buffer)."""
-        slot = self._slots.get(index)
-        if slot is None:
-            if self._grad is None:
-                self._grad = torch.empty_like(self.data)
-            s = self.segments[index]
-            slot = self._slots[index] = self._grad[s.offset : s.offset + s.numel].view(s.shape)
-        return slot
+    def _slots_now(self) -> dict[int, torch.Tensor]:
+        """Each master's view of the gradient buffer (allocating the buffer and the views)."""
+        if self._grad is None:
+            self._grad = torch.empty_like(self.data)
+            pieces = self._grad.split_with_sizes([s.numel for s in self.segments.values()])
+            self._slots = {s.index: piece if piece.shape == s.shape else piece.view(s.shape)
+                           for s, piece in zip(self.segments.values(), pieces, strict=True)}
+        return self._slots
 
     def has_grad(self, index: int) -> bool:
         """Whether ``params[index]``'s master has a gradient, in its segment of the buffer."""
         grad = self.masters[index].grad
         return grad is not None and grad is self._slots.get(index)
 
-    @torch.no_grad()
-    def put_grad(self, index: int, grad: torch.Tensor | None = None) -> None:
-        """Give ``params[index]``'s master the gradient ``grad`` (cast exactly to the master
-        dtype), or, without one, move the gradient it holds outside the buffer into it."""
-        master = self.masters[index]
-        if grad is not None:
-            master.grad = self._slot(index).copy_(grad)
-        elif master.grad is not None and not self.has_grad(index):
-            master.grad = self._slot(index).copy_(master.grad)  # the old tensor is freed here
+    def take_grads(self, fresh: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Give the masters ``fresh`` gradients (``(index, gradient)``, for masters that have
+        none; cast exactly to the master dtype) in one foreach copy, and move every gradient a
+        master holds outside the buffer (ShardedDataParallel's reduced sum) into it. Call
+        under ``torch.no_grad()``."""
+        if not fresh and all(m.grad is None for m in self.masters.values()):
+            return
+        slots = self._slots_now()
+        if fresh:
+            torch._foreach_copy_([slots[i] for i, _ in fresh], [g for _, g in fresh])
+            for i, _ in fresh:
+                self.masters[i].grad = slots[i]
+        for i, master in self.masters.items():
+            grad = master.grad
+            if grad is not None and grad is not slots[i]:
+                master.grad = slots[i].copy_(grad)  # the old tensor is freed here
 
     def prepare_step(self) -> bool:
         """Point :attr:`flat`'s gradient at the buffer when every aligned master has one;

@@ -219,30 +219,33 @@ class MasterWeights:
         """Add each parameter's ``.grad`` into its master's, in ``dtype``, and free it; every
         master's gradient ends in the gradient buffer (Note [master gradients]; Note [flat
         masters] in :mod:`shardopt.optim.flat_masters`)."""
+        fresh: dict[FlatGroup, list[tuple[int, torch.Tensor]]] = {g: [] for g in self._groups}
         for i, master in self._masters.items():
             p = params[i]
-            group = self._group_of[i]
             if not take_placeholder(p):  # Note [placeholders for moved gradients] in shardopt.placeholders
                 master.grad = None
             grad = p.grad
-            if grad is not None:
-                rows = self._rows.get(i)
-                grad = (grad if rows is None else grad[rows[0] : rows[1]]).detach()
-                if master.grad is None:
-                    group.put_grad(i, grad)
-                else:
-                    master.grad.add_(grad)
-                p.grad = None
-            group.put_grad(i)  # a gradient put elsewhere (ShardedDataParallel's sum) moves into the buffer
+            if grad is None:
+                continue
+            rows = self._rows.get(i)
+            grad = (grad if rows is None else grad[rows[0] : rows[1]]).detach()
+            if master.grad is None:
+                fresh[self._group_of[i]].append((i, grad))
+            else:
+                master.grad.add_(grad)
+            p.grad = None
+        for group, grads in fresh.items():  # a gradient put elsewhere (ShardedDataParallel's sum) moves in too
+            group.take_grads(grads)
 
     @torch.no_grad()
     def write_back(self, params: Sequence[torch.Tensor]) -> None:
         """Round every master into its parameter and free the masters' gradients."""
-        for i, master in self._masters.items():
-            p = params[i]
-            rows = self._rows.get(i)
-            (p if rows is None else p[rows[0] : rows[1]]).copy_(master)
-            self._agreed[i] = p._version
+        if self._masters:
+            targets = [params[i] if i not in self._rows else params[i][self._rows[i][0] : self._rows[i][1]]
+                       for i in self._masters]
+            torch._foreach_copy_(targets, list(self._masters.values()))
+        for i in self._masters:
+            self._agreed[i] = params[i]._version
         self.free_grads()
 
     def after_gather(self, params: Sequence[torch.Tensor]) -> None:
