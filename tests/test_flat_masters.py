@@ -119,7 +119,7 @@ def _equality(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                         if stage == "zero2":
                             per_rank = [ref.local_grads(lambda m, r=r, s=10 * step + k: loss_of(m, r, s))
                                         for r in range(world_size)]
-                            ref.add_master_grads([sdp_reduce(list(g), F32) for g in zip(*per_rank)])
+                            ref.add_master_grads([sdp_reduce(list(g), F32) for g in zip(*per_rank, strict=True)])
                     if stage == "zero1":  # the reference steps on DDP's own sums
                         ref.add_master_grads([p.grad.float() for p in model.parameters()])  # type: ignore[union-attr]
                     if mode == "clip":  # the reference is clipped by OSS's total norm: a split parameter's
@@ -131,7 +131,7 @@ def _equality(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                     opt.step()
                     ref.step()
                     flat |= _steps_flat(opt)
-                out[tag] = {"params": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.params)),
+                out[tag] = {"params": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.params, strict=True)),
                             "state": _state_equal(opt, ref), "norms": norms, "flat": flat, "compact": _compact(opt)}
     return out
 
@@ -176,11 +176,11 @@ def _scaler(rank: int, world_size: int) -> dict[str, Any]:
                 if stage == "zero2":
                     per_rank = [ref.local_grads(lambda m, r=r, s=step, k=scale: loss_of(m, r, s, F16) * k)
                                 for r in range(world_size)]
-                    reduced = [sdp_reduce(list(g), F32) for g in zip(*per_rank)]
+                    reduced = [sdp_reduce(list(g), F32) for g in zip(*per_rank, strict=True)]
                 ref.add_master_grads([g * (1.0 / scale) for g in reduced])
                 ref.step()
             out[f"{stage}/{opt_name}"] = {
-                "params": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.params)),
+                "params": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.params, strict=True)),
                 "state": _state_equal(opt, ref), "flat": flat, "scale": scaler.get_scale()}
     return out
 
@@ -250,7 +250,7 @@ def _missing_grads(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 else:
                     per_rank = [torch.autograd.grad(_forked_loss(ref_model, r, step), ref.params, allow_unused=True)
                                 for r in range(world_size)]
-                    grads = [None if g[0] is None else sdp_reduce(list(g), F32) for g in zip(*per_rank)]
+                    grads = [None if g[0] is None else sdp_reduce(list(g), F32) for g in zip(*per_rank, strict=True)]
                 for m, g in zip(ref.masters, grads, strict=True):
                     m.grad = g
                 if step < 2:
@@ -258,7 +258,7 @@ def _missing_grads(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 opt.step()
                 ref.step()
             out[f"{stage}/{opt_name}"] = {
-                "params": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.params)),
+                "params": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.params, strict=True)),
                 "state": _state_equal(opt, ref), "flat_before": flat_before, "views_after": not _steps_flat(opt)}
     return out
 
@@ -288,13 +288,13 @@ def _ragged(rank: int, world_size: int) -> dict[str, bool]:
         opt = OSS(params, optim=cls, master_dtype=F32, **kwargs)
         masters = [p.detach().float().requires_grad_() for p in params]
         ref = cls(masters, **kwargs)
-        for step in range(6):
+        for _ in range(6):
             grads = [torch.randn(n, generator=gen).to(BF16) for n in sizes]
             for p, m, g in zip(params, masters, grads, strict=True):
                 p.grad, m.grad = g.clone(), g.float()
             opt.step()
             ref.step()
-        out[opt_name] = all(torch.equal(opt.master_of(p), m) for p, m in zip(params, masters)) and _steps_flat(opt)
+        out[opt_name] = all(torch.equal(opt.master_of(p), m) for p, m in zip(params, masters, strict=True)) and _steps_flat(opt)
     return out
 
 
@@ -335,7 +335,7 @@ def _kernel_counts(rank: int, world_size: int) -> dict[str, Any]:
             model = _deep(layers)
             opt = OSS(model.parameters(), optim=cls, master_dtype=F32, **kwargs)
             counts = []
-            for step in range(3):  # the first step creates the state
+            for _ in range(3):  # the first step creates the state
                 opt.zero_grad()
                 model(torch.randn(4, 64).to(BF16)).float().pow(2).mean().backward()
                 counts.append(_optimizer_kernels(opt.step, cls))
