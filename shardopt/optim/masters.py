@@ -30,7 +30,9 @@ cast here. The fold runs at the step, and earlier where fp32 gradients are neede
 (``ShardedGradScaler.unscale_``, ``OSS.clip_grad_norm``): after it the owner holds no
 low-precision gradient for its parameters. After the step every master's gradient is freed,
 as DeepSpeed frees its fp32 gradient partition; ``OSS.zero_grad`` frees them too, whatever
-``set_to_none`` says (a freed gradient adds exactly as zeros would).
+``set_to_none`` says (a freed gradient adds exactly as zeros would). The masters' gradients
+are views of one buffer per param group, as the masters are of another (Note [flat masters]
+in :mod:`shardopt.optim.flat_masters`).
 
 Note [masters follow outside writes]
 A master is the truth for its parameter, so a write to the parameter that the optimizer does
