@@ -159,6 +159,14 @@ class FlatGroup:
         """The indices whose segments make up :attr:`flat`, in buffer order."""
         return [s.index for s in self.segments.values() if s.in_flat]
 
+    def use(self, layout: Layout) -> None:
+        """Step the aligned masters as ``layout`` from now on (the caller moves the state and
+        rebuilds the optimizer's parameter lists)."""
+        assert self.flat is not None or layout is Layout.VIEWS, "a group without aligned masters has no flat tensor"
+        if layout is Layout.VIEWS and self.flat is not None:
+            self.flat.grad = None
+        self.layout = layout
+
     def stepped_flat(self, index: int) -> bool:
         """Whether the optimizer steps ``params[index]``'s master as part of :attr:`flat` now."""
         return self.layout is Layout.FLAT and self.segments[index].in_flat
@@ -215,7 +223,7 @@ class FlatGroup:
             return False
         logger.info("param group %s: %d of %d masters have no gradient this step; stepping them as views from now on "
                     "(Note [flat state falls back to views])", self.number, present.count(False), len(present))
-        self.layout = Layout.VIEWS
+        self.use(Layout.VIEWS)
         return True
 
     def free_grads(self) -> None:
@@ -283,5 +291,4 @@ class FlatGroup:
         if flat_state:
             for index, entry in self.split_state(flat_state).items():
                 optim_state[self.masters[index]] = entry
-        self.flat.grad = None
-        self.layout = Layout.VIEWS
+        self.use(Layout.VIEWS)

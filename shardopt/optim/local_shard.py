@@ -219,7 +219,7 @@ class LocalShard:
         for flat_group in self.masters.groups:
             if flat_group.flat is not None:
                 found = flat_group.join_states(live)
-                flat_group.layout = Layout.VIEWS if found is None else Layout.FLAT
+                flat_group.use(Layout.VIEWS if found is None else Layout.FLAT)
                 if found:
                     joined[flat_group.flat] = found
         self._relist(params)
