@@ -303,6 +303,30 @@ def test_segments_of_no_multiple_of_64_elements_are_stepped_as_views_and_stay_ex
     assert all(results[0].values()), results
 
 
+def _matrix_wise(rank: int, world_size: int) -> dict[str, bool]:
+    """Adafactor reads whole matrices: its masters are views of the buffer, stepped one per
+    parameter with the parameter's shape, and the run equals per-parameter masters."""
+    model = flat_mlp()
+    opt, ddp = _build("zero1", model, torch.optim.Adafactor, {"lr": 1e-2})
+    ref = MasterReference(flat_mlp(), torch.optim.Adafactor, lr=1e-2)
+    for step in range(4):
+        opt.zero_grad()
+        loss_of(ddp, rank, step).backward()
+        ref.add_master_grads([p.grad.float() for p in model.parameters()])  # type: ignore[union-attr]
+        opt.step()
+        ref.step()
+    masters = [m for m in (opt.master_of(p) for p in opt.params) if m is not None]
+    stepped = [t for g in opt.optim.param_groups for t in g["params"]]
+    return {"views": len(stepped) == len(masters) and all(any(t is m for m in masters) for t in stepped),
+            "params": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.params, strict=True)),
+            "state": _state_equal(opt, ref)}
+
+
+def test_a_matrix_wise_optimizer_steps_each_master_as_a_view_of_the_buffer_and_equals_per_parameter_masters() -> None:
+    results = run_ranks(_matrix_wise, 2, timeout_s=120)
+    assert all(all(r.values()) for r in results), results
+
+
 # ---------------------------------------------------------------------- host work per step
 
 
