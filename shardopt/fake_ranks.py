@@ -126,9 +126,10 @@ class RankBytes:
 #   params:    the wrapper's and the unwrapped module's parameters (ZeRO-3: the flat shards),
 #   grads:     their .grad,
 #   masters:   the tensors in the optimizer's param_groups that are not parameters (OSS's fp32
-#              masters; OSS's own optimizer is OSS.optim) and their .grad,
+#              masters and flat tensors over them; OSS's own optimizer is OSS.optim) and OSS's
+#              masters, with their .grad,
 #   optimizer: every tensor in the optimizer's state (Adam's exp_avg, exp_avg_sq and its 0-dim
-#              step, 4 bytes per stepped tensor),
+#              step, 4 bytes per stepped tensor: one per flat tensor of masters),
 # each storage attributed to the first category that reaches it, in that order. Not counted:
 # activations, DDP's and ShardedDataParallel's bucket buffers that no .grad views, FSDP's
 # gathered full parameters once freed, buffers, allocator overhead.
@@ -180,6 +181,8 @@ def held_bytes(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -
     inner = optimizer.optim if isinstance(optimizer, OSS) else optimizer
     params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
     stepped = [p for g in inner.param_groups for p in g["params"]]
+    if isinstance(optimizer, OSS):  # each master's view and gradient, stepped flat or not (Note [flat masters])
+        stepped += [m for m in (optimizer.master_of(p) for p in optimizer.params) if m is not None]
     seen: set[int] = set()
     out = {"params": _storages(params, seen), "grads": _storages((p.grad for p in params), seen)}
     out["masters"] = _storages([t for p in stepped for t in (p, p.grad)], seen)

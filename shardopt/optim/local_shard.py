@@ -16,6 +16,8 @@ from torch.optim import Optimizer
 
 from shardopt import comm
 from shardopt.agreement import raise_if_any_failed
+from shardopt.optim.elementwise import updates_elementwise
+from shardopt.optim.flat_masters import FlatGroup, Layout, compact_state
 from shardopt.optim.masters import MasterWeights, needs_master
 from shardopt.optim.owned_rows import OwnedRows
 from shardopt.optim.state_transport import Fragments, StateByIndex, state_to_param
@@ -42,11 +44,12 @@ def group_ranges(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], ran
 class LocalShard:
     """This rank's part of an OSS under one plan.
 
-    How it works: :meth:`build` keeps masters for the trainable rows this rank owns, makes row
-    views of the split ones without masters (Note [row views] in
-    :mod:`shardopt.optim.owned_rows`), builds the wrapped optimizer over them in the global
-    groups' order and puts carried state back (live, or parked for frozen parameters: Note
-    [parked state] in :mod:`shardopt.optim.oss`).
+    How it works: :meth:`build` keeps masters for the trainable rows this rank owns (in flat
+    buffers: Note [flat masters] in :mod:`shardopt.optim.flat_masters`), makes row views of
+    the split ones without masters (Note [row views] in :mod:`shardopt.optim.owned_rows`),
+    builds the wrapped optimizer over them in the global groups' order (a group's aligned
+    masters as one flat tensor for an elementwise optimizer) and puts carried state back
+    (live, or parked for frozen parameters: Note [parked state] in :mod:`shardopt.optim.oss`).
 
     Args:
         plan: the ownership plan over ``OSS.params``.
@@ -59,6 +62,8 @@ class LocalShard:
         self.masters = masters
         self.parked: StateByIndex = {}
         self.optim: Optimizer | None = None
+        self._groups: list[list[int]] = []  # the trainable indices of each param group
+        self._flat_of: dict[torch.Tensor, FlatGroup] = {}
 
     def build(self, params: Sequence[torch.Tensor], groups: list[tuple[dict[str, Any], range]],
               optim_cls: type[Optimizer], defaults: dict[str, Any], carried: StateByIndex,
@@ -79,11 +84,15 @@ class LocalShard:
         """
         sizes = self.owned.plan.sizes
         trainable = {i for i in self.owned.rows if sizes[i] > 0}
+        group_of = [n for n, (_, indices) in enumerate(groups) for _ in indices]
         self.masters.rebuild(params, trainable, {i: carried[i].pop(MASTER_KEY) for i in trainable
-                                                 if MASTER_KEY in carried.get(i, {})}, self.owned.split_rows())
+                                                 if MASTER_KEY in carried.get(i, {})}, self.owned.split_rows(),
+                             group_of, updates_elementwise(optim_cls))
+        self._flat_of = {g.flat: g for g in self.masters.groups if g.flat is not None}
         self.owned.build_views(params, [i for i in trainable if self.masters.get(i) is None])
-        shard_groups = [{**hyper(g), "params": [self.stepped(i, params[i]) for i in indices if i in trainable]}
-                        for g, indices in groups]
+        self._groups = [[i for i in indices if i in trainable] for _, indices in groups]
+        shard_groups = [{**hyper(g), "params": self._tensors(params, indices)}
+                        for (g, _), indices in zip(groups, self._groups, strict=True)]
         failure = None
         try:
             self.optim = optim_cls(shard_groups, **defaults)
@@ -92,16 +101,48 @@ class LocalShard:
         raise_if_any_failed(f"OSS: building {optim_cls.__qualname__} over the parameters each rank owns", failure,
                             group)
         assert self.optim is not None
-        self.parked = {}
-        for i, state in carried.items():
-            if i not in trainable:
-                self.parked[i] = state
-            elif state:
-                self.optim.state[self.stepped(i, params[i])] = state
+        self.parked = {i: compact_state(s) for i, s in carried.items() if i not in trainable}
+        live = {i: s for i, s in carried.items() if i in trainable and s}
+        for flat_group in self.masters.groups:
+            if flat_group.flat is None:
+                continue
+            joined = flat_group.join_states(live)
+            if joined is None:  # Note [flat state falls back to views] in shardopt.optim.flat_masters
+                flat_group.to_views(self.optim.state)
+            elif joined:
+                self.optim.state[flat_group.flat] = joined
+        self._relist(params)
+        for i, state in live.items():
+            if not self._in_flat(i):
+                self.optim.state[self.holder(i, params[i])] = compact_state(state)
         return self.optim
 
-    def stepped(self, index: int, param: torch.Tensor) -> torch.Tensor:
-        """What the wrapped optimizer steps for ``params[index]``: its master, its row view, or itself."""
+    def _in_flat(self, index: int) -> bool:
+        """Whether ``params[index]`` is stepped as part of a flat tensor now."""
+        flat_group = self.masters.group_of(index)
+        return flat_group is not None and flat_group.stepped_flat(index)
+
+    def _tensors(self, params: Sequence[torch.Tensor], indices: Sequence[int]) -> list[torch.Tensor]:
+        """What the wrapped optimizer steps for ``params[indices]`` (one group), in order: each
+        flat tensor once, where its first member is, and the other holders."""
+        out: list[torch.Tensor] = []
+        for i in indices:
+            flat_group = self.masters.group_of(i)
+            if flat_group is not None and flat_group.stepped_flat(i):
+                if not any(t is flat_group.flat for t in out):
+                    out.append(flat_group.flat)  # type: ignore[arg-type]
+            else:
+                out.append(self.holder(i, params[i]))
+        return out
+
+    def _relist(self, params: Sequence[torch.Tensor]) -> None:
+        """Give the wrapped optimizer's groups the tensors of the current layouts."""
+        for shard_group, indices in zip(self._live().param_groups, self._groups, strict=True):
+            shard_group["params"] = self._tensors(params, indices)
+
+    def holder(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        """What holds the rows of ``params[index]`` this rank steps, and their gradient: its
+        master, its row view, or the parameter itself."""
         master = self.masters.get(index)
         if master is not None:
             return master
@@ -113,24 +154,40 @@ class LocalShard:
         return self.optim
 
     def state_by_index(self, params: Sequence[torch.Tensor]) -> StateByIndex:
-        """This rank's optimizer state (live and parked, masters under ``MASTER_KEY``), by index."""
+        """This rank's optimizer state (live and parked, masters under ``MASTER_KEY``), by index;
+        a flat tensor's state is cut per parameter (Note [flat masters] in shardopt.optim.flat_masters)."""
         self.masters.follow_outside_writes(params)
-        index = {self.stepped(i, p): i for i, p in enumerate(params)}
-        state = {index[p]: s for p, s in self._live().state.items() if p in index and s}
+        index = {self.holder(i, p): i for group in self._groups for i, p in ((i, params[i]) for i in group)}
+        state: StateByIndex = {}
+        for tensor, entry in self._live().state.items():
+            flat_group = self._flat_of.get(tensor)
+            if flat_group is not None and entry:
+                state.update(flat_group.split_state(entry))
+            elif tensor in index and entry:
+                state[index[tensor]] = entry
         for i, master in self.masters.items():
             state[i] = {**state.get(i, {}), MASTER_KEY: master}
         state.update(self.parked)
-        return state
+        return dict(sorted(state.items()))
 
     def fragments(self, params: Sequence[torch.Tensor]) -> Fragments:
         """:meth:`state_by_index` keyed by index and the rows each entry covers."""
         return {(i, *self.owned.rows[i]): s for i, s in self.state_by_index(params).items()}
 
     def collect_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Fold owned ``.grad`` into the masters' and link the row views' gradients (local)."""
+        """Fold owned ``.grad`` into the masters' and link the row views' gradients (local);
+        point each flat tensor at its gradient, or step its group as views from now on when
+        only some of its masters have one (Note [flat state falls back to views])."""
         self.owned.refresh(params)
         self.masters.fold_grads(params)
         self.owned.link_grads(params)
+        switched = False
+        for flat_group in self.masters.groups:
+            if flat_group.prepare_step():
+                flat_group.to_views(self._live().state)
+                switched = True
+        if switched:
+            self._relist(params)
 
     def after_step(self, params: Sequence[torch.Tensor]) -> None:
         """Round the masters into the parameters and drop their gradients; keep the row views'
@@ -146,7 +203,9 @@ class LocalShard:
     def install(self, params: Sequence[torch.Tensor], state: StateByIndex,
                 global_groups: list[tuple[dict[str, Any], range]]) -> list[int]:
         """Load ``state`` (this rank's rows, by index, masters included) into the wrapped
-        optimizer, the masters and the parked table.
+        optimizer, the masters and the parked table; a group's flat tensor takes its members'
+        entries joined, or the group is stepped as views when they do not agree (Note [flat
+        state falls back to views] in shardopt.optim.flat_masters).
 
         Returns:
             The indices whose master restarted from the parameter (the state had none).
@@ -154,11 +213,25 @@ class LocalShard:
         optim = self._live()
         saved_masters = {i: s.pop(MASTER_KEY) for i, s in state.items() if MASTER_KEY in s}
         ignored = {i for i in saved_masters if not needs_master(params[i].dtype, self.masters.dtype)}
-        position = {self.stepped(i, p): i for i, p in enumerate(params)}
-        local_groups = [{**hyper(g), "params": [position[p] for p in sg["params"]]}
+        trainable = {i for indices in self._groups for i in indices}
+        live = {i: s for i, s in state.items() if i in trainable}
+        joined: dict[torch.Tensor, dict[str, Any]] = {}
+        for flat_group in self.masters.groups:
+            if flat_group.flat is not None:
+                found = flat_group.join_states(live)
+                flat_group.use(Layout.VIEWS if found is None else Layout.FLAT)
+                if found:
+                    joined[flat_group.flat] = found
+        self._relist(params)
+        position: dict[torch.Tensor, int] = {}
+        for shard_group in optim.param_groups:
+            position.update({t: len(position) + k for k, t in enumerate(shard_group["params"])})
+        index = {self.holder(i, params[i]): i for i in trainable}
+        local_state = {n: joined[t] if t in joined else live[index[t]] for t, n in position.items()
+                       if t in joined or (t in index and index[t] in live)}
+        local_groups = [{**hyper(g), "params": [position[t] for t in sg["params"]]}
                         for (g, _), sg in zip(global_groups, optim.param_groups, strict=True)]
-        trainable = {i for sg in local_groups for i in sg["params"]}
-        optim.load_state_dict({"state": {i: s for i, s in state.items() if i in trainable}, "param_groups": local_groups})
+        optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         missing = self.masters.load(params, saved_masters)
         group_of = {i: g for g, indices in global_groups for i in indices}
         self.parked = {}

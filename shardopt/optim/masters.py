@@ -30,7 +30,9 @@ cast here. The fold runs at the step, and earlier where fp32 gradients are neede
 (``ShardedGradScaler.unscale_``, ``OSS.clip_grad_norm``): after it the owner holds no
 low-precision gradient for its parameters. After the step every master's gradient is freed,
 as DeepSpeed frees its fp32 gradient partition; ``OSS.zero_grad`` frees them too, whatever
-``set_to_none`` says (a freed gradient adds exactly as zeros would).
+``set_to_none`` says (a freed gradient adds exactly as zeros would). The masters' gradients
+are views of one buffer per param group, as the masters are of another (Note [flat masters]
+in :mod:`shardopt.optim.flat_masters`).
 
 Note [masters follow outside writes]
 A master is the truth for its parameter, so a write to the parameter that the optimizer does
@@ -54,6 +56,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from shardopt.optim.flat_masters import FlatGroup
 from shardopt.placeholders import is_placeholder, leave_placeholder, take_placeholder
 from shardopt.state_checks import MASTER_KEY
 
@@ -121,7 +124,9 @@ class MasterWeights:
 
     How it works: masters are keyed by the parameter's index in ``OSS.params``. The owning
     optimizer rebuilds the set whenever ownership changes, handing over the masters it
-    carried (kept, migrated or loaded); every other method walks the current set. With
+    carried (kept, migrated or loaded); every other method walks the current set. The
+    masters of one param group on one device are views of one buffer, and their gradients
+    of a second (Note [flat masters] in :mod:`shardopt.optim.flat_masters`). With
     ``dtype=None`` the set is always empty and every method is a no-op.
 
     Args:
@@ -131,6 +136,8 @@ class MasterWeights:
     def __init__(self, dtype: torch.dtype | None) -> None:
         self.dtype = dtype
         self._masters: dict[int, torch.Tensor] = {}
+        self._groups: list[FlatGroup] = []
+        self._group_of: dict[int, FlatGroup] = {}
         self._agreed: dict[int, int | None] = {}  # param._version when it last equalled its master
         self._rows: dict[int, tuple[int, int]] = {}  # the rows a master copies, for a split parameter only
 
@@ -150,34 +157,50 @@ class MasterWeights:
         """``(index, master)`` pairs, by index."""
         return self._masters.items()
 
+    @property
+    def groups(self) -> list[FlatGroup]:
+        """The buffers holding the masters, one per (param group, device)."""
+        return list(self._groups)
+
+    def group_of(self, index: int) -> FlatGroup | None:
+        """The buffer holding the master of ``params[index]``, if it has one."""
+        return self._group_of.get(index)
+
+    @torch.no_grad()
     def rebuild(self, params: Sequence[torch.Tensor], indices: Iterable[int],
-                carried: Mapping[int, torch.Tensor], rows: Mapping[int, tuple[int, int]] | None = None) -> None:
+                carried: Mapping[int, torch.Tensor], rows: Mapping[int, tuple[int, int]] | None = None,
+                group_of: Sequence[int] | None = None, flatten: bool = False) -> None:
         """Keep masters for ``params[i]``, ``i`` in ``indices`` (this rank's trainable ones).
 
         Args:
             params: every parameter, by index.
             indices: the trainable parameters this rank owns now.
-            carried: masters that already exist for some of them (moved to the parameter's
-                device and cast to ``dtype`` when they are not there already), of the rows
-                they copy. The others are created from their parameter.
+            carried: masters that already exist for some of them (copied into the new
+                buffers, cast to ``dtype``), of the rows they copy. The others are created
+                from their parameter.
             rows: for a parameter split across ranks, the dim-0 rows this rank owns: its
                 master copies only those.
+            group_of: the param group of each parameter (all in one group when omitted).
+            flatten: whether the optimizer updates element by element, so that a group's
+                aligned masters may be stepped as one tensor (Note [aligned segments] in
+                :mod:`shardopt.optim.flat_masters`).
         """
-        masters: dict[int, torch.Tensor] = {}
-        agreed: dict[int, int | None] = {}
         self._rows = {i: r for i, r in (rows or {}).items() if i in set(indices)}
+        entries: dict[tuple[int, torch.device], list[tuple[int, torch.Size]]] = {}
         for i in sorted(indices):
-            p = params[i]
-            if not needs_master(p.dtype, self.dtype):
-                continue
+            if needs_master(params[i].dtype, self.dtype):
+                key = (0 if group_of is None else group_of[i], params[i].device)
+                entries.setdefault(key, []).append((i, self._part(i, params[i]).shape))
+        assert self.dtype is not None or not entries
+        self._groups = [FlatGroup(number, device, self.dtype, found, flatten)  # type: ignore[arg-type]
+                        for (number, device), found in sorted(entries.items(), key=lambda kv: kv[0][0])]
+        self._group_of = {i: g for g in self._groups for i in g.masters}
+        self._masters = {i: self._group_of[i].masters[i] for i in sorted(self._group_of)}
+        self._agreed = {}
+        for i, master in self._masters.items():
             source = carried.get(i)
-            if source is None:
-                master = self._part(i, p).to(self.dtype, copy=True)
-            else:
-                master = source.detach().to(device=p.device, dtype=self.dtype)
-            masters[i] = master.requires_grad_(True)
-            agreed[i] = None  # compared at the first use (Note [masters follow outside writes])
-        self._masters, self._agreed = masters, agreed
+            master.copy_(self._part(i, params[i]) if source is None else source.detach())
+            self._agreed[i] = None  # compared at the first use (Note [masters follow outside writes])
 
     @torch.no_grad()
     def follow_outside_writes(self, params: Sequence[torch.Tensor]) -> None:
@@ -195,8 +218,10 @@ class MasterWeights:
 
     @torch.no_grad()
     def fold_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Add each parameter's ``.grad`` into its master's, in ``dtype``, and free it
-        (Note [master gradients])."""
+        """Add each parameter's ``.grad`` into its master's, in ``dtype``, and free it; every
+        master's gradient ends in the gradient buffer (Note [master gradients]; Note [flat
+        masters] in :mod:`shardopt.optim.flat_masters`)."""
+        fresh: dict[FlatGroup, list[tuple[int, torch.Tensor]]] = {g: [] for g in self._groups}
         for i, master in self._masters.items():
             p = params[i]
             if not take_placeholder(p):  # Note [placeholders for moved gradients] in shardopt.placeholders
@@ -205,22 +230,25 @@ class MasterWeights:
             if grad is None:
                 continue
             rows = self._rows.get(i)
-            grad = grad if rows is None else grad[rows[0] : rows[1]]
+            grad = (grad if rows is None else grad[rows[0] : rows[1]]).detach()
             if master.grad is None:
-                master.grad = grad.detach().to(master.dtype)
+                fresh[self._group_of[i]].append((i, grad))
             else:
-                master.grad.add_(grad.detach())
+                master.grad.add_(grad)
             p.grad = None
+        for group, grads in fresh.items():  # a gradient put elsewhere (ShardedDataParallel's sum) moves in too
+            group.take_grads(grads)
 
     @torch.no_grad()
     def write_back(self, params: Sequence[torch.Tensor]) -> None:
         """Round every master into its parameter and free the masters' gradients."""
-        for i, master in self._masters.items():
-            p = params[i]
-            rows = self._rows.get(i)
-            (p if rows is None else p[rows[0] : rows[1]]).copy_(master)
-            self._agreed[i] = p._version
-            master.grad = None
+        if self._masters:
+            targets = [params[i] if i not in self._rows else params[i][self._rows[i][0] : self._rows[i][1]]
+                       for i in self._masters]
+            torch._foreach_copy_(targets, list(self._masters.values()))
+        for i in self._masters:
+            self._agreed[i] = params[i]._version
+        self.free_grads()
 
     def after_gather(self, params: Sequence[torch.Tensor]) -> None:
         """The post-step gather wrote the other owners' rows of the split parameters: their
@@ -232,9 +260,9 @@ class MasterWeights:
                 self._agreed[i] = params[i]._version
 
     def free_grads(self) -> None:
-        """Drop every master's gradient."""
-        for master in self._masters.values():
-            master.grad = None
+        """Drop every master's gradient and the gradient buffers."""
+        for group in self._groups:
+            group.free_grads()
 
     @torch.no_grad()
     def load(self, params: Sequence[torch.Tensor], saved: Mapping[int, torch.Tensor]) -> list[int]:

@@ -206,7 +206,7 @@ class OSS(Optimizer):
         index = self._index_of.get(param)
         if index is None or not self._shard.owned.owns(index) or not param.requires_grad:
             return None
-        return self._shard.stepped(index, param)
+        return self._shard.holder(index, param)
 
     @property
     def master_dtype(self) -> torch.dtype | None:

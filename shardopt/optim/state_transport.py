@@ -33,8 +33,9 @@ from shardopt import comm
 from shardopt.partition import SplitPlan
 from shardopt.state_checks import MASTER_KEY
 
-__all__ = ["Fragments", "Gap", "Missing", "Rows", "Snapshot", "StateByIndex", "assemble", "collect", "cut_rows",
-           "dropped", "join_rows", "migrate", "no_snapshot_error", "refuse_stale_masters", "state_to_param", "to_cpu"]
+__all__ = ["Fragments", "Gap", "Missing", "Rows", "Snapshot", "StateByIndex", "assemble", "collect", "compact",
+           "cut_rows", "dropped", "join_rows", "migrate", "no_snapshot_error", "refuse_stale_masters",
+           "state_to_param", "to_cpu"]
 
 StateByIndex = dict[int, dict[str, Any]]
 Rows = tuple[int, int]
@@ -118,10 +119,20 @@ def assemble(parts: Iterable[tuple[int, Rows, Mapping[str, Any]]], wanted: Mappi
     return out
 
 
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it when it is a view of a larger storage (a flat buffer: Note
+    [flat masters] in :mod:`shardopt.optim.flat_masters`): pickled, saved or kept, a view
+    carries or keeps alive its whole storage."""
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
+
+
 def to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor detached and on the CPU (CPU tensors are not copied)."""
+    """``obj`` with every tensor detached, on the CPU and compact (CPU tensors that own their
+    storage are not copied; views of a flat buffer are)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return compact(obj.detach().cpu())
     if isinstance(obj, dict):
         return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -1,0 +1,294 @@
+"""Flat master buffers: one rank's fp32 masters of one param group in one contiguous buffer.
+
+Note [flat masters]
+An owner's masters (Note [master weights] in :mod:`shardopt.optim.masters`) of one param
+group on one device live in one buffer of ``master_dtype``; each master is a view of its
+segment, shaped as its parameter (or as the rows it copies), as DeepSpeed's fp32 partition
+and Megatron's distributed-optimizer buffers hold theirs. Their gradients land in a matching
+buffer, allocated when the first gradient arrives and freed after the step: each master's
+``.grad`` is a view of its segment there (a gradient put elsewhere, as ShardedDataParallel
+assigns its reduced sum, is copied in and freed when the masters' gradients are folded).
+For an elementwise optimizer (:func:`~shardopt.optim.elementwise.updates_elementwise`) the
+wrapped torch optimizer is given one flat tensor over the aligned segments (Note [aligned
+segments]) instead of one tensor per master, so its state (Adam's moments) is flat too and a
+step is a few kernels over one long tensor, not a few per parameter: with torch's default
+for-loop Adam on a CPU that is 13 aten calls a step whatever the number of parameters,
+against 13 per parameter. Matrix-wise optimizers (Muon, Adafactor) and unknown ones step
+the views, one per master, as before. State dicts and checkpoints keep one entry per
+parameter, cut from the flat state (views, the scalar ``step`` copied per parameter) and
+joined back into it at load, so nothing saved changes.
+
+Note [aligned segments]
+The flat tensor must give every element the update it gets in its own tensor, bit for bit.
+torch's CPU kernels run vectors over all but the last ``numel % (2 * lanes)`` elements of a
+tensor, which take a scalar tail that may round differently (Note [aligned cuts] in
+:mod:`shardopt.partition`). Inside a flat tensor a parameter's tail is no tail, so it takes
+the vector path: measured with torch 2.13 on CPU (AVX-512 and AVX2 dispatch, 1 and 2
+threads, 6 steps over 41 parameters of 1 to 300 elements), fused Adam differs on 1 of 43,591
+elements and fused SGD with momentum on 7; the for-loop and foreach forms on none. Padding
+each segment to 64 elements does not help (the tail elements still leave the scalar path).
+So only segments of a multiple of 64 elements (every matrix and bias of a model whose hidden
+sizes are multiples of 64) join the flat tensor, placed first so that each starts on a
+multiple of 64; the others are stepped as their own views. Over aligned segments the flat
+step matched the per-parameter one on every element for every optimizer of
+:data:`~shardopt.optim.elementwise.ELEMENTWISE_OPTIMIZERS` measured (the same conditions).
+
+Note [flat state falls back to views]
+A torch optimizer skips a parameter whose ``.grad`` is ``None`` (no step count, no moment
+decay, no weight decay), and keeps a step count per parameter. A flat tensor cannot skip
+part of itself, and its state holds one step count for all. So a group is stepped flat only
+while its members agree: at a step, every aligned master of the group has a gradient (or
+none has); at a build or a load, every member has state with the same names and the same
+values for the non-elementwise entries (``step``), or none has any. Otherwise the group is
+stepped as views from then on (until the next rebuild or load), its flat state cut into
+views: the per-parameter semantics, never a zero gradient in place of a missing one (which
+is what DeepSpeed and Megatron do). Logged at INFO.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardopt.optim.state_transport import compact
+from shardopt.partition import CUT_ALIGN_ELEMENTS
+
+__all__ = ["FlatGroup", "Layout", "Segment", "compact_state", "plan_segments"]
+
+logger = logging.getLogger(__name__)
+
+
+class Layout(enum.Enum):
+    """How the wrapped optimizer steps a :class:`FlatGroup`'s aligned masters."""
+
+    FLAT = "flat"
+    """As one flat tensor (Note [flat masters])."""
+    VIEWS = "views"
+    """Each as its own view (Note [flat state falls back to views])."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where one master lives in its group's buffer.
+
+    Attributes:
+        index: the parameter's index in ``OSS.params``.
+        offset: the first element of the segment in the buffer.
+        shape: the master's shape (its parameter's, or that of the rows it copies).
+        numel: the number of elements.
+        in_flat: whether the segment is part of the flat tensor (Note [aligned segments]).
+    """
+
+    index: int
+    offset: int
+    shape: torch.Size
+    numel: int
+    in_flat: bool
+
+
+def plan_segments(entries: Sequence[tuple[int, torch.Size]], flatten: bool) -> tuple[list[Segment], int]:
+    """Place masters in a buffer: with ``flatten``, the aligned ones first in the given
+    order (the flat tensor), then the others; without, all in the given order.
+
+    Args:
+        entries: ``(index, shape)`` of each master, in parameter order.
+        flatten: whether the optimizer may step the aligned masters as one tensor.
+
+    Returns:
+        The segments in buffer order, and the number of elements of the flat tensor (0
+        without ``flatten`` or when no segment is aligned).
+    """
+    def aligned(shape: torch.Size) -> bool:
+        return flatten and shape.numel() > 0 and shape.numel() % CUT_ALIGN_ELEMENTS == 0
+
+    ordered = [e for e in entries if aligned(e[1])] + [e for e in entries if not aligned(e[1])]
+    segments, offset = [], 0
+    for index, shape in ordered:
+        segments.append(Segment(index, offset, shape, shape.numel(), aligned(shape)))
+        offset += shape.numel()
+    return segments, sum(s.numel for s in segments if s.in_flat)
+
+
+def compact_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every tensor that is a view of a larger storage (a flat buffer of an
+    earlier plan) copied, so that keeping it does not keep the whole buffer alive."""
+    return {k: compact(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+class FlatGroup:
+    """The masters of one param group on one device, in one buffer (Note [flat masters]).
+
+    How it works: :attr:`data` holds every master, :attr:`masters` are views of it, and
+    :attr:`flat` (when some segment is aligned) is the view over the aligned ones that the
+    wrapped optimizer steps while :attr:`layout` is ``FLAT``. Gradients go to segments of a
+    second buffer, allocated by the first :meth:`take_grads` and freed by :meth:`free_grads`.
+    The buffer's values are uninitialised until the owner fills the masters.
+
+    Args:
+        number: the param group's position in ``OSS.param_groups``.
+        device: where the masters live (their parameters' device).
+        dtype: the master dtype.
+        entries: ``(index, shape)`` of each master, in parameter order.
+        flatten: whether the optimizer updates element by element (may step a flat tensor).
+    """
+
+    def __init__(self, number: int, device: torch.device, dtype: torch.dtype,
+                 entries: Sequence[tuple[int, torch.Size]], flatten: bool) -> None:
+        self.number = number
+        segments, flat_numel = plan_segments(entries, flatten)
+        self.segments: dict[int, Segment] = {s.index: s for s in segments}
+        """Each master's segment, by parameter index."""
+        self.data = torch.empty(sum(s.numel for s in segments), device=device, dtype=dtype)
+        """The buffer holding every master of the group."""
+        self.masters: dict[int, torch.Tensor] = {
+            s.index: self.data[s.offset : s.offset + s.numel].view(s.shape).requires_grad_(True) for s in segments}
+        """Each master (a leaf view of :attr:`data`), by parameter index."""
+        self.flat: torch.Tensor | None = self.data[:flat_numel].requires_grad_(True) if flat_numel else None
+        """The view over the aligned segments, or ``None`` when there are none."""
+        self.layout = Layout.FLAT if self.flat is not None else Layout.VIEWS
+        self._grad: torch.Tensor | None = None
+        self._slots: dict[int, torch.Tensor] = {}
+
+    @property
+    def flat_members(self) -> list[int]:
+        """The indices whose segments make up :attr:`flat`, in buffer order."""
+        return [s.index for s in self.segments.values() if s.in_flat]
+
+    def use(self, layout: Layout) -> None:
+        """Step the aligned masters as ``layout`` from now on (the caller moves the state and
+        rebuilds the optimizer's parameter lists)."""
+        assert self.flat is not None or layout is Layout.VIEWS, "a group without aligned masters has no flat tensor"
+        if layout is Layout.VIEWS and self.flat is not None:
+            self.flat.grad = None
+        self.layout = layout
+
+    def stepped_flat(self, index: int) -> bool:
+        """Whether the optimizer steps ``params[index]``'s master as part of :attr:`flat` now."""
+        return self.layout is Layout.FLAT and self.segments[index].in_flat
+
+    # ------------------------------------------------------------------ gradients
+
+    def _slots_now(self) -> dict[int, torch.Tensor]:
+        """Each master's view of the gradient buffer (allocating the buffer and the views)."""
+        if self._grad is None:
+            self._grad = torch.empty_like(self.data)
+            pieces = self._grad.split_with_sizes([s.numel for s in self.segments.values()])
+            self._slots = {s.index: piece if piece.shape == s.shape else piece.view(s.shape)
+                           for s, piece in zip(self.segments.values(), pieces, strict=True)}
+        return self._slots
+
+    def has_grad(self, index: int) -> bool:
+        """Whether ``params[index]``'s master has a gradient, in its segment of the buffer."""
+        grad = self.masters[index].grad
+        return grad is not None and grad is self._slots.get(index)
+
+    def take_grads(self, fresh: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Give the masters ``fresh`` gradients (``(index, gradient)``, for masters that have
+        none; cast exactly to the master dtype) in one foreach copy, and move every gradient a
+        master holds outside the buffer (ShardedDataParallel's reduced sum) into it. Call
+        under ``torch.no_grad()``."""
+        if not fresh and all(m.grad is None for m in self.masters.values()):
+            return
+        slots = self._slots_now()
+        if fresh:
+            torch._foreach_copy_([slots[i] for i, _ in fresh], [g for _, g in fresh])
+            for i, _ in fresh:
+                self.masters[i].grad = slots[i]
+        for i, master in self.masters.items():
+            grad = master.grad
+            if grad is not None and grad is not slots[i]:
+                master.grad = slots[i].copy_(grad)  # the old tensor is freed here
+
+    def prepare_step(self) -> bool:
+        """Point :attr:`flat`'s gradient at the buffer when every aligned master has one;
+        switch to ``VIEWS`` when only some do (Note [flat state falls back to views]).
+
+        Returns:
+            Whether the layout switched (the optimizer's parameter lists must be rebuilt).
+        """
+        if self.flat is None or self.layout is Layout.VIEWS:
+            return False
+        present = [self.has_grad(i) for i in self.flat_members]
+        if all(present):
+            assert self._grad is not None
+            self.flat.grad = self._grad[: self.flat.numel()]
+            return False
+        self.flat.grad = None
+        if not any(present):
+            return False
+        logger.info("param group %s: %d of %d masters have no gradient this step; stepping them as views from now on "
+                    "(Note [flat state falls back to views])", self.number, present.count(False), len(present))
+        self.use(Layout.VIEWS)
+        return True
+
+    def free_grads(self) -> None:
+        """Drop every master's gradient and the gradient buffer."""
+        for master in self.masters.values():
+            master.grad = None
+        if self.flat is not None:
+            self.flat.grad = None
+        self._grad = None
+        self._slots = {}
+
+    # ------------------------------------------------------------------ optimizer state
+
+    def split_state(self, state: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+        """The flat tensor's optimizer ``state`` cut into one entry per aligned master: its
+        elementwise tensors as views of the master's segment, other tensors (``step``) copied
+        per master, other values shared (Note [flat masters])."""
+        assert self.flat is not None
+        n = self.flat.numel()
+        out: dict[int, dict[str, Any]] = {}
+        for index in self.flat_members:
+            s = self.segments[index]
+            out[index] = {k: (v[s.offset : s.offset + s.numel].view(s.shape) if v.shape == (n,) else v.clone())
+                          if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        return out
+
+    def join_states(self, states: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
+        """The flat tensor's state from one entry per aligned master, or ``None`` when they do
+        not agree (Note [flat state falls back to views]): ``{}`` when none has any.
+
+        Elementwise tensors (of the master's shape, one dtype and device for all) are
+        concatenated; every other entry must be equal for all (one host read per tensor name).
+        """
+        entries = [states.get(i, {}) for i in self.flat_members]
+        if not any(entries):
+            return {}
+        if not all(entries) or any(e.keys() != entries[0].keys() for e in entries):
+            return None
+        joined: dict[str, Any] = {}
+        for name, first in entries[0].items():
+            values = [e[name] for e in entries]
+            shapes = [self.segments[i].shape for i in self.flat_members]
+            if all(isinstance(v, torch.Tensor) and v.shape == shape for v, shape in zip(values, shapes, strict=True)):
+                if len({(v.dtype, v.device) for v in values}) != 1:
+                    return None
+                joined[name] = torch.cat([v.reshape(-1) for v in values])
+            elif isinstance(first, torch.Tensor):
+                if not all(isinstance(v, torch.Tensor) and v.shape == first.shape and v.dtype == first.dtype
+                           and v.device == first.device for v in values):
+                    return None
+                if not bool((torch.stack(values) == first).all()):  # host-read: at a build or load only
+                    return None
+                joined[name] = first.clone()
+            elif any(isinstance(v, torch.Tensor) or v != first for v in values):
+                return None
+            else:
+                joined[name] = first
+        return joined
+
+    def to_views(self, optim_state: dict[torch.Tensor, Any]) -> None:
+        """Switch to ``VIEWS``: the flat tensor's entry of ``optim_state`` (the wrapped
+        optimizer's) becomes one entry per aligned master, on its view."""
+        assert self.flat is not None
+        flat_state = optim_state.pop(self.flat, None)
+        if flat_state:
+            for index, entry in self.split_state(flat_state).items():
+                optim_state[self.masters[index]] = entry
+        self.use(Layout.VIEWS)
