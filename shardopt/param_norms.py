@@ -112,7 +112,7 @@ def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict[str, torch.Ten
         wrapper = registration.wrapper if registration is not None else None
         if isinstance(wrapper, FullyShardedDataParallel) and owner_of(p) is not None:
             parts.append(p.grad.detach() if p.grad is not None else None)
-            groups.append(wrapper.shard_group)
+            groups.append(wrapper.unit.config.shard_group)  # replicas hold equal shards
             continue
         opt = optimizers.get(id(p))
         if opt is not None:

@@ -452,11 +452,6 @@ class FullyShardedDataParallel(nn.Module):
         result.unexpected_keys[:] = [clean_name(k) for k in result.unexpected_keys]
         return result
 
-    @property
-    def shard_group(self) -> comm.ProcessGroup | None:
-        """The group the parameters are sharded over (``None``: the world; replicas hold equal shards)."""
-        return self._config.shard_group
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the sharded gradients by their global norm, like ``torch.nn.utils.clip_grad_norm_``.
 
