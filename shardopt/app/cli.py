@@ -351,8 +351,8 @@ def _demo(args: argparse.Namespace) -> int:
         save_every_steps=args.save_every, threads_per_rank=_threads_per_rank(args, world), device=args.device,
         shard_size=args.shard_size,
     )
-    if job.resume and checkpoint_path and os.path.exists(checkpoint_path):
-        _check_checkpoint(job)
+    if job.resume and checkpoint_path and os.path.exists(checkpoint_path) and _check_checkpoint(job, args):
+        return 0
     if checkpoint_path and not mode.checkpoints:
         _fail("demo", f"--checkpoint is not supported with mode {mode.name!r} (shardopt cannot consolidate its "
               f"optimizer state); use one of {', '.join(n for n, m in MODES.items() if m.checkpoints)}, or drop "
@@ -396,14 +396,29 @@ def _check_needs_checkpoint(args: argparse.Namespace) -> None:
             _fail("demo", f"{option} needs --checkpoint PATH ({why})")
 
 
-def _check_checkpoint(job: TrainJob) -> None:
-    from shardopt.app.runner import check_resumable
+def _check_checkpoint(job: TrainJob, args: argparse.Namespace) -> bool:
+    """Check the checkpoint a demo resumes from; ``True`` when the job is already done.
+
+    A job restarted by a scheduler (``--resume-if-exists``) whose checkpoint is at ``--steps``
+    has nothing left to do: it says so and exits 0 on every rank, so that torchrun's agent
+    (or the scheduler) sees a finished job, not a failed one. With ``--resume`` it stays an
+    error: that run asked to train on.
+    """
+    from shardopt.app.runner import NothingToTrain, check_resumable
 
     assert job.checkpoint_path is not None
     try:
         check_resumable(job.checkpoint_path, job)
+    except NothingToTrain as exc:
+        if not (args.resume_if_exists and exc.saved_step == job.steps):
+            _fail("demo", str(exc))
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"shardopt demo: checkpoint {job.checkpoint_path!r} is already at step {job.steps} of "
+                             "--steps: nothing left to do\n")
+        return True
     except ValueError as exc:
         _fail("demo", str(exc))
+    return False
 
 
 # ---------------------------------------------------------------------- bench

@@ -26,14 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from shardopt import checkpoint, comm
+from shardopt import checkpoint, comm, elastic
+from shardopt.app.faults import FaultPlan
 from shardopt.app.group_bytes import GROUP_KINDS, GroupBytes, ddp_step_bytes
 from shardopt.app.models import PRESETS, CharBatches, build_model, stdlib_corpus
 from shardopt.app.modes import Setup, Wrapped, full_parameters, get_mode, load_optimizer_state
 from shardopt.app.precision import Precision
 from shardopt.memory import MemoryRecorder
 
-__all__ = ["RankReport", "StepInfo", "TrainJob", "check_resumable", "init_process_group_from_env", "train"]
+__all__ = ["NothingToTrain", "RankReport", "StepInfo", "TrainJob", "check_resumable", "init_process_group_from_env", "train"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -187,7 +188,9 @@ def init_process_group_from_env(timeout_s: float = 600.0, device: str = "auto") 
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # On a namespace of this torchrun attempt alone: a restart must not read the last
+        # attempt's keys (Note [one store namespace per attempt] in shardopt.elastic).
+        elastic.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return where
 
 
@@ -235,7 +238,12 @@ def _make_scaler(job: TrainJob, device: torch.device) -> Any | None:
     return ShardedGradScaler(device=device.type)
 
 
-def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> None:
+def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None, faults: FaultPlan | None) -> None:
+    with faults.saving(step, comm.group_rank(None)) if faults is not None else contextlib.nullcontext():
+        _save_now(job, wrapped, step, scaler)
+
+
+def _save_now(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> None:
     assert job.checkpoint_path is not None
     extra = {"step": step, "mode": job.mode, "preset": job.preset, "seed": job.seed,
              "precision": job.precision.name, "scaler": scaler.state_dict() if scaler is not None else None}
@@ -244,6 +252,18 @@ def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> Non
         checkpoint.save_sharded(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
     else:
         checkpoint.save_consolidated(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
+
+
+class NothingToTrain(ValueError):
+    """The checkpoint is already at the job's last step or beyond.
+
+    Attributes:
+        saved_step: the checkpoint's step.
+    """
+
+    def __init__(self, saved_step: int, message: str) -> None:
+        super().__init__(message)
+        self.saved_step = saved_step
 
 
 def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
@@ -263,7 +283,8 @@ def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
 
     Raises:
         ValueError: not a shardopt checkpoint, another model, seed or precision, a file
-            where a folder is needed (or back), or already at ``job.steps`` or beyond.
+            where a folder is needed (or back).
+        NothingToTrain: already at ``job.steps`` or beyond (a ``ValueError``).
     """
     saved = checkpoint.read_extra(path)
     if saved is None:
@@ -281,9 +302,9 @@ def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
                          "elsewhere")
     saved_step = saved.get("step")
     if isinstance(saved_step, int) and saved_step >= job.steps:
-        raise ValueError(f"checkpoint {path!r} is at step {saved_step} but --steps is {job.steps}: there is nothing "
-                         f"left to train; pass --steps greater than {saved_step} to continue, or drop --resume to "
-                         "start over")
+        raise NothingToTrain(saved_step, f"checkpoint {path!r} is at step {saved_step} but --steps is {job.steps}: "
+                             f"there is nothing left to train; pass --steps greater than {saved_step} to continue, or "
+                             "drop --resume to start over")
     sharded_checkpoint = get_mode(job.mode).sharded_checkpoint
     if os.path.isdir(path) != sharded_checkpoint:
         kind = "a sharded folder" if os.path.isdir(path) else "a consolidated file"
@@ -379,6 +400,9 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
     recorder = MemoryRecorder()
     recorder.start()
     module = build_model(cfg, seed=job.seed, device=device)
+    faults = FaultPlan.from_env(rank)  # None unless a restart test asks this rank to die
+    if faults is not None:
+        faults.arm(module)
     num_params = sum(p.numel() for p in module.parameters())
     setup = Setup(job.lr, device, job.precision, job.batch_size, job.grad_accum_steps, job.shard_size)
     group_bytes = None if mode.peer else GroupBytes(job.shard_size)
@@ -389,9 +413,11 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
         # DDP reduces in C++, past shardopt.comm: its bytes are computed (Note [bytes per group]).
         ddp_bytes = ddp_step_bytes(list(wrapped.module.parameters()), world) if isinstance(wrapped.model, DDP) else 0.0
         loss, per_step = _steps(job, wrapped, batches, start, scaler, recorder, device, group_bytes, ddp_bytes,
-                                on_step)
+                                on_step, faults)
     if job.checkpoint_path and job.steps > start:
-        _save(job, wrapped, job.steps, scaler)
+        _save(job, wrapped, job.steps, scaler, faults)
+    if faults is not None:
+        faults.at_exit(job.steps)
     counted = recorder.steps[job.warmup_steps:]
     by_group = per_step[job.warmup_steps:]
     times = tuple(s.seconds for s in counted)
@@ -418,7 +444,8 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
 
 def _steps(job: TrainJob, wrapped: Wrapped, batches: CharBatches, start: int, scaler: Any | None,
            recorder: MemoryRecorder, device: torch.device, group_bytes: GroupBytes | None, ddp_bytes: float,
-           on_step: Callable[[StepInfo], None] | None) -> tuple[float, list[dict[str, float]]]:
+           on_step: Callable[[StepInfo], None] | None,
+           faults: FaultPlan | None) -> tuple[float, list[dict[str, float]]]:
     """Train from ``start`` to ``job.steps``: the last loss, and each step's bytes by group kind."""
     rank, world = comm.group_rank(None), comm.group_size(None)
     tokens_per_step = job.batch_size * PRESETS[job.preset].seq_len * job.grad_accum_steps * world
@@ -426,6 +453,8 @@ def _steps(job: TrainJob, wrapped: Wrapped, batches: CharBatches, start: int, sc
     per_step: list[dict[str, float]] = []
     for step in range(start, job.steps):
         comm.barrier(None)
+        if faults is not None:
+            faults.begin_step(step + 1)
         before = group_bytes.snapshot() if group_bytes is not None else {}
         t0 = time.perf_counter()
         with recorder.step():
@@ -436,7 +465,7 @@ def _steps(job: TrainJob, wrapped: Wrapped, batches: CharBatches, start: int, sc
             per_step.append({k: v - before[k] for k, v in group_bytes.snapshot().items()})
         done = step + 1
         if job.checkpoint_path and job.save_every_steps and done % job.save_every_steps == 0 and done < job.steps:
-            _save(job, wrapped, done, scaler)
+            _save(job, wrapped, done, scaler, faults)
         if rank == 0 and on_step is not None:
             on_step(StepInfo(done, job.steps, loss, tokens_per_step / seconds))
     return loss, per_step
