@@ -361,12 +361,15 @@ def _one_step(job: TrainJob, wrapped: Wrapped, batches: CharBatches, step: int, 
     return loss_value
 
 
-def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> list[RankReport]:
+def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None,
+          on_resume: Callable[[int], None] | None = None) -> list[RankReport]:
     """Run ``job`` on this rank; a collective (every rank calls it with the same job).
 
     Args:
         job: what to run.
         on_step: called on rank 0 after every step, outside the measured window.
+        on_resume: called on rank 0 with the step a checkpoint was loaded at, before training
+            on from it (not called when the run starts from step 0).
 
     Returns:
         Every rank's :class:`RankReport`, indexed by rank (the same list on every rank).
@@ -378,14 +381,15 @@ def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> l
     """
     comm.require_initialized("shardopt.app.runner.train")
     try:
-        return _train(job, on_step)
+        return _train(job, on_step, on_resume)
     except BaseException as exc:
         # The other ranks' collectives end naming this rank and why (Note [failure board] in shardopt.failures).
         comm.report_failure(f"{type(exc).__name__}: {exc}".splitlines()[0])
         raise
 
 
-def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[RankReport]:
+def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None,
+           on_resume: Callable[[int], None] | None) -> list[RankReport]:
     mode = get_mode(job.mode)
     if job.preset not in PRESETS:
         raise ValueError(f"unknown model preset {job.preset!r}; choose one of {sorted(PRESETS)}")
@@ -410,6 +414,8 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
         wrapped = mode.wrap(module, setup)
         scaler = _make_scaler(job, device)
         start = _resume(job, wrapped, scaler)
+        if start and rank == 0 and on_resume is not None:
+            on_resume(start)
         # DDP reduces in C++, past shardopt.comm: its bytes are computed (Note [bytes per group]).
         ddp_bytes = ddp_step_bytes(list(wrapped.module.parameters()), world) if isinstance(wrapped.model, DDP) else 0.0
         loss, per_step = _steps(job, wrapped, batches, start, scaler, recorder, device, group_bytes, ddp_bytes,
