@@ -136,23 +136,24 @@ def _answer_check_ins(store: Any, world_size: int, deadline: float, timeout: tim
     token = uuid.uuid4().hex
     hellos = [f"{ATTEMPT_PREFIX}hello/{r}" for r in range(1, world_size)]
     joined = f"{ATTEMPT_PREFIX}{token}/joined"
-    answered: dict[str, None] = {}
+    answered: set[str] = set()
     poll = _POLL_FIRST_S
     while True:
-        try:
-            store.wait(hellos, _left(deadline) if time.monotonic() < deadline else timedelta(milliseconds=1))
-            nonces = [bytes(v).decode() for v in store.multi_get(hellos)]
-        except RuntimeError:
-            nonces = []
-        fresh = [n for n in nonces if n not in answered]
+        try:  # usually every rank has a hello (this attempt's or an older one): one round trip
+            store.wait(hellos, timedelta(seconds=poll))
+            present = hellos
+        except RuntimeError:  # some never said hello yet: answer those that did
+            present = [key for key in hellos if store.check([key])]
+        nonces = [bytes(v).decode() for v in store.multi_get(present)] if present else []
+        fresh = [n for n in dict.fromkeys(nonces) if n not in answered]
         if fresh:
             store.multi_set([f"{ATTEMPT_PREFIX}welcome/{n}" for n in fresh], [token] * len(fresh))
-            answered.update(dict.fromkeys(fresh))
+            answered.update(fresh)
         count = int(store.add(joined, 0))
         if count == world_size - 1:
             return token
         if time.monotonic() > deadline:
-            missing = [r for r in range(1, world_size) if not store.check([hellos[r - 1]])]
+            missing = [r for r in range(1, world_size) if hellos[r - 1] not in present]
             detail = (f"ranks {missing} never said hello" if missing
                       else f"{world_size - 1 - count} of ranks 1..{world_size - 1} did not answer")
             raise TimeoutError(
