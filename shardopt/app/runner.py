@@ -34,7 +34,8 @@ from shardopt.app.modes import Setup, Wrapped, full_parameters, get_mode, load_o
 from shardopt.app.precision import Precision
 from shardopt.memory import MemoryRecorder
 
-__all__ = ["NothingToTrain", "RankReport", "StepInfo", "TrainJob", "check_resumable", "init_process_group_from_env", "train"]
+__all__ = ["NothingToTrain", "RankReport", "StepInfo", "TrainJob", "check_resumable", "global_batch",
+           "init_process_group_from_env", "train"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -245,13 +246,20 @@ def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None, faults
 
 def _save_now(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> None:
     assert job.checkpoint_path is not None
+    world = comm.group_size(None)
     extra = {"step": step, "mode": job.mode, "preset": job.preset, "seed": job.seed,
-             "precision": job.precision.name, "scaler": scaler.state_dict() if scaler is not None else None}
+             "precision": job.precision.name, "scaler": scaler.state_dict() if scaler is not None else None,
+             "world_size": world, "global_batch": global_batch(job, world)}
     assert wrapped.checkpoint_target is not None
     if get_mode(job.mode).sharded_checkpoint:
         checkpoint.save_sharded(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
     else:
         checkpoint.save_consolidated(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
+
+
+def global_batch(job: TrainJob, world_size: int) -> int:
+    """Sequences per optimizer step over all ranks (Note [the same run at another world size])."""
+    return job.batch_size * job.grad_accum_steps * world_size
 
 
 class NothingToTrain(ValueError):
@@ -397,7 +405,7 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None,
     rank, world = comm.group_rank(None), comm.group_size(None)
     device = _train_device(job.device)
     cfg = PRESETS[job.preset]
-    batches = CharBatches(stdlib_corpus(job.corpus_bytes), job.batch_size, cfg.seq_len, rank, job.seed)
+    batches = CharBatches(stdlib_corpus(job.corpus_bytes), job.batch_size, cfg.seq_len, rank, job.seed, world)
     reason = mode.unavailable() or mode.refuses(job.precision)  # imports the mode's library: the baseline has it
     if reason is not None:
         raise ValueError(reason)
