@@ -15,7 +15,8 @@ For each world size it runs the demo three times with the same arguments:
    the last restart finds a finished job;
 3. under torchrun with ``--random-kills`` SIGKILLs from outside, of a random rank at a
    random time (0.2 to ``--max-delay-s`` s after its attempt's ranks appear): in imports,
-   the group's check-in, the checkpoint load, training or a save.
+   the group's check-in, the checkpoint load, training or a save (each kill says whether
+   its attempt's group had formed).
 
 Each torchrun run must exit 0 and end with the reference's checkpoint (model, optimizer state
 with the fp32 masters, step) bit for bit, with no temporary file beside it and no process left
@@ -41,13 +42,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardopt.app.faults import FAULTS_ENV, Fault  # noqa: E402
-from tests.helpers.processes import REPO, session_processes  # noqa: E402
-from tests.helpers.torchrun import FAULT_LINE, RESUMED_LINE, checkpoint_differences, torchrun_command  # noqa: E402
+from shardopt.app.faults import FAULTS_ENV, Fault
+from tests.helpers.processes import REPO, session_processes
+from tests.helpers.torchrun import FAULT_LINE, RESUMED_LINE, checkpoint_differences, torchrun_command
 
 GROUP_LINE = "shardopt demo: training "
 DONE_LINE = "nothing left to do"
@@ -132,6 +132,7 @@ def _killer(proc: subprocess.Popen[str], outcome: Outcome, start: float, count: 
             time.sleep(0.05)
             continue
         seen |= set(ranks.values())
+        began = time.monotonic() - start
         if stop.wait(rng.uniform(0.2, max_delay_s)):
             return
         live = _rank_pids(proc.pid)
@@ -140,7 +141,10 @@ def _killer(proc: subprocess.Popen[str], outcome: Outcome, start: float, count: 
         rank = rng.choice(sorted(live))
         try:
             os.kill(live[rank], signal.SIGKILL)
-            outcome.kills.append((time.monotonic() - start, f"SIGKILL rank {rank} (pid {live[rank]})"))
+            now = time.monotonic() - start
+            formed = any(GROUP_LINE in line or DONE_LINE in line for t, line in list(outcome.lines) if t > began)
+            where = "after its group formed" if formed else "in start-up, before its group formed"
+            outcome.kills.append((now, f"SIGKILL rank {rank} {now - began:.1f} s into its attempt, {where}"))
         except ProcessLookupError:
             pass
 
@@ -240,7 +244,7 @@ def report(o: Outcome) -> None:
     print(f"  {o.name}: exit {o.returncode}, {len(o.kills)} kills, {o.seconds:.1f} s; "
           f"checkpoint {'bit-exact' if not o.differences else f'DIFFERS in {len(o.differences)} entries'}; "
           f"stray files {o.stray_files or 'none'}; leftover processes {o.leftovers or 'none'}", flush=True)
-    for (t, what), (g, b) in zip(o.kills, rec):
+    for (t, what), (g, b) in zip(o.kills, rec, strict=True):
         print(f"    at {t:6.1f} s {what}: group formed again after {g:.1f} s, resumed after {b:.1f} s", flush=True)
     if back:
         print(f"  recovery (kill -> resumed): median {statistics.median(back):.1f} s, max {max(back):.1f} s; "
@@ -253,12 +257,13 @@ def main() -> int:
     parser.add_argument("--precision", default="bf16-master", choices=["fp32", "bf16", "bf16-master"])
     parser.add_argument("--mode", default="zero2")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--kills", type=int, default=6, help="fault-hook kills per world size (default 6)")
     parser.add_argument("--random-kills", type=int, default=3, help="kills from outside at random times (default 3)")
-    parser.add_argument("--max-delay-s", type=float, default=6.0)
+    parser.add_argument("--max-delay-s", type=float, default=20.0,
+                        help="random kills land 0.2 s to this long after their attempt's ranks appear (default 20)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
     parser.add_argument("--json", default=None, help="write the outcomes here")
