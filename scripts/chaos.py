@@ -47,7 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardopt.app.faults import FAULTS_ENV, Fault
 from tests.helpers.processes import REPO, session_processes
-from tests.helpers.torchrun import FAULT_LINE, RESUMED_LINE, checkpoint_differences, torchrun_command
+from tests.helpers.torchrun import (
+    FAULT_LINE,
+    MARK_ENV,
+    RESUMED_LINE,
+    checkpoint_differences,
+    marked_processes,
+    torchrun_command,
+)
 
 GROUP_LINE = "shardopt demo: training "
 DONE_LINE = "nothing left to do"
@@ -152,8 +159,9 @@ def _killer(proc: subprocess.Popen[str], outcome: Outcome, start: float, count: 
 def run_torchrun(name: str, command: list[str], cwd: Path, env: dict[str, str], timeout_s: float,
                  random_kills: int = 0, rng: random.Random | None = None, max_delay_s: float = 6.0) -> Outcome:
     outcome = Outcome(name)
+    mark = f"chaos-{name}-{os.getpid()}-{time.monotonic_ns()}"
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env, **{MARK_ENV: mark})
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -180,13 +188,13 @@ def run_torchrun(name: str, command: list[str], cwd: Path, env: dict[str, str], 
     try:
         outcome.returncode = proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's ranks have sessions of their own: found below
         proc.wait()
     outcome.seconds = time.monotonic() - start
     if killer is not None:
         killer.join(timeout=5)
     for _ in range(20):
-        outcome.leftovers = session_processes(proc.pid)
+        outcome.leftovers = sorted(set(session_processes(proc.pid)) | set(marked_processes(mark)))
         if not outcome.leftovers:
             break
         time.sleep(0.1)

@@ -114,7 +114,7 @@ class FaultPlan:
 
     def arm(self, module: nn.Module) -> None:
         """Hook the forward, backward and optimizer-step kills onto ``module`` (the demo's GPT)."""
-        last = module.blocks[-1]  # type: ignore[index]
+        last = list(module.get_submodule("blocks").children())[-1]
 
         def in_forward(_: nn.Module, args: tuple[Any, ...]) -> None:
             self._fire("forward")

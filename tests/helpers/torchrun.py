@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,9 @@ import torch
 
 from tests.helpers.processes import REPO, session_processes
 
+MARK_ENV = "SHARDOPT_TEST_RUN"
+"""Set to a fresh value for each run; every process of the run inherits it (torchrun's ranks
+live in sessions of their own, so the run's session does not hold them)."""
 FAULT_LINE = "shardopt demo: fault injected: "
 RESUMED_LINE = "shardopt demo: resumed from step "
 
@@ -62,14 +66,35 @@ class Run:
         return [(t, line[line.index(prefix):]) for t, line in self.lines if prefix in line]
 
 
-def run_in_session(command: list[str], cwd: str, timeout_s: float, env: dict[str, str] | None = None) -> Run:
-    """Run ``command`` in a new session; on timeout SIGKILL the whole session.
+def marked_processes(mark: str) -> list[int]:
+    """Live (not zombie) processes whose environment has ``MARK_ENV=mark``."""
+    needle = f"{MARK_ENV}={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:
+            continue
+        found.append(int(entry))
+    return sorted(found)
 
-    Leftovers are the session's live processes 2 s after the command ended (a rank that
-    outlives torchrun is an orphan).
+
+def run_in_session(command: list[str], cwd: str, timeout_s: float, env: dict[str, str] | None = None) -> Run:
+    """Run ``command`` in a new session; on timeout SIGKILL the whole session and every process of the run.
+
+    Leftovers are the run's live processes (found by :data:`MARK_ENV`) 2 s after the
+    command ended: a rank that outlives torchrun is an orphan.
     """
+    mark = uuid.uuid4().hex
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}), **{MARK_ENV: mark})
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -99,7 +124,7 @@ def run_in_session(command: list[str], cwd: str, timeout_s: float, env: dict[str
             proc.wait()
         leftovers: list[int] = []
         for _ in range(20):
-            leftovers = session_processes(proc.pid)
+            leftovers = sorted(set(session_processes(proc.pid)) | set(marked_processes(mark)))
             if not leftovers:
                 break
             time.sleep(0.1)
