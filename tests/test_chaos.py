@@ -90,3 +90,12 @@ def test_ranks_killed_in_forward_backward_step_and_save_end_with_the_uninterrupt
         main(["demo", *TINY, "--steps", str(steps), "--checkpoint", str(chaos / "ck.pt"), "--resume"])
     assert exc.value.code == 2
     assert "is at step 8 but --steps is 8: there is nothing left to train" in capsys.readouterr().err
+
+
+def test_a_fault_entry_that_is_not_attempt_rank_step_phase_is_refused() -> None:
+    from shardopt.app.faults import parse_faults
+
+    assert parse_faults(" 0:1:3:backward, 2:0:8:exit ") == (Fault(0, 1, 3, "backward"), Fault(2, 0, 8, "exit"))
+    for entry in ("0:1:3", "0:1:0:save", "0:x:3:step", "0:1:3:sleep"):
+        with pytest.raises(ValueError, match=f"SHARDOPT_DEMO_FAULTS: entry '{entry}' is not attempt:rank:step:phase"):
+            parse_faults(f"1:0:2:step,{entry}")
