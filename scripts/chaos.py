@@ -14,7 +14,8 @@ For each world size it runs the demo three times with the same arguments:
    the file written), at increasing steps, and finally one after the last checkpoint, so
    the last restart finds a finished job;
 3. under torchrun with ``--random-kills`` SIGKILLs from outside, of a random rank at a
-   random time (0.2 to ``--max-delay-s`` s after its attempt's ranks appear): in imports,
+   random time (0.2 s to ``--max-delay-s``, by default 0.8 times the uninterrupted run's wall
+   time, after its attempt's ranks appear): in imports,
    the group's check-in, the checkpoint load, training or a save (each kill says whether
    its attempt's group had formed).
 
@@ -218,7 +219,9 @@ def one_world_size(args: argparse.Namespace, world: int, root: Path, rng: random
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
     if done.returncode != 0:
         raise SystemExit(f"chaos: the uninterrupted run at {world} ranks failed:\n{done.stderr[-3000:]}")
-    print(f"[{world} ranks] uninterrupted run: {time.monotonic() - t0:.1f} s", flush=True)
+    straight_s = time.monotonic() - t0
+    print(f"[{world} ranks] uninterrupted run: {straight_s:.1f} s", flush=True)
+    max_delay_s = args.max_delay_s if args.max_delay_s is not None else 0.8 * straight_s
     outcomes = []
     faults = schedule(rng, args.kills, world, args.steps, args.save_every)
     spec = ",".join(f"{f.attempt}:{f.rank}:{f.step}:{f.phase}" for f in faults)
@@ -232,7 +235,7 @@ def one_world_size(args: argparse.Namespace, world: int, root: Path, rng: random
               flush=True)
         command = torchrun_command(world, restarts, "shardopt", demo)
         outcome = run_torchrun(f"{name}-{world}", command, where, env, args.timeout_s, random_kills, rng,
-                               args.max_delay_s)
+                               max_delay_s)
         if (where / "ck.pt").exists():
             outcome.differences = checkpoint_differences(str(reference / "ck.pt"), str(where / "ck.pt"))
         else:
@@ -270,8 +273,9 @@ def main() -> int:
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--kills", type=int, default=6, help="fault-hook kills per world size (default 6)")
     parser.add_argument("--random-kills", type=int, default=3, help="kills from outside at random times (default 3)")
-    parser.add_argument("--max-delay-s", type=float, default=20.0,
-                        help="random kills land 0.2 s to this long after their attempt's ranks appear (default 20)")
+    parser.add_argument("--max-delay-s", type=float, default=None,
+                        help="random kills land 0.2 s to this long after their attempt's ranks appear (default: "
+                             "0.8 x the uninterrupted run's wall time, so most land before the run ends)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
     parser.add_argument("--json", default=None, help="write the outcomes here")
