@@ -75,12 +75,19 @@ class Outcome:
     leftovers: list[int] = field(default_factory=list)
 
     def recoveries(self) -> list[tuple[float, float]]:
-        """Per kill: seconds to the group's next "training" line and to the next "resumed"/"nothing left" line."""
+        """Per kill: seconds to the next attempt's "training" line (its group formed) and to its
+        "resumed"/"nothing left" line (``nan`` where it has none: it started from step 0).
+
+        The next attempt's lines are those after the agent reported the failure ("failed
+        (exitcode"), so a line the dying attempt's other ranks print late is not taken.
+        """
         out = []
+        nan = float("nan")
         for t_kill, _ in self.kills:
-            group = next((t for t, line in self.lines if t > t_kill and GROUP_LINE in line), float("nan"))
-            back = next((t for t, line in self.lines if t > t_kill and (RESUMED_LINE in line or DONE_LINE in line)),
-                        float("nan"))
+            failed = next((t for t, line in self.lines if t >= t_kill and "failed (exitcode" in line), nan)
+            after = [(t, line) for t, line in self.lines if t > failed]
+            group = next((t for t, line in after if GROUP_LINE in line), nan)
+            back = next((t for t, line in after if (RESUMED_LINE in line or DONE_LINE in line)), nan)
             out.append((group - t_kill, back - t_kill))
         return out
 
