@@ -76,16 +76,18 @@ class Outcome:
 
     def recoveries(self) -> list[tuple[float, float]]:
         """Per kill: seconds to the next attempt's "training" line (its group formed) and to its
-        "resumed"/"nothing left" line (``nan`` where it has none: it started from step 0).
+        "resumed"/"nothing left" line (``nan`` where it has none: it started from step 0, or
+        was killed first).
 
         The next attempt's lines are those after the agent reported the failure ("failed
         (exitcode"), so a line the dying attempt's other ranks print late is not taken.
         """
         out = []
         nan = float("nan")
-        for t_kill, _ in self.kills:
+        kill_times = [t for t, _ in self.kills] + [float("inf")]
+        for i, (t_kill, _) in enumerate(self.kills):
             failed = next((t for t, line in self.lines if t >= t_kill and "failed (exitcode" in line), nan)
-            after = [(t, line) for t, line in self.lines if t > failed]
+            after = [(t, line) for t, line in self.lines if failed < t < kill_times[i + 1]]
             group = next((t for t, line in after if GROUP_LINE in line), nan)
             back = next((t for t, line in after if (RESUMED_LINE in line or DONE_LINE in line)), nan)
             out.append((group - t_kill, back - t_kill))
