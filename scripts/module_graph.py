@@ -46,6 +46,8 @@ LEVELS: dict[str, int] = {
     "shardopt.placeholders": 0, "shardopt.state_checks": 0,
     # the ZeRO formulas next to the real ownership plans (reads partition)
     "shardopt.memory": 1,
+    # process groups formed on a store namespace of their own torchrun attempt (reads failures)
+    "shardopt.elastic": 1,
     # where each rank is in its collectives (the flight recorder), and the waits that read it
     "shardopt.flight": 1,
     "shardopt.waiting": 2,

@@ -171,7 +171,7 @@ def arrive(label: str, group: comm.ProcessGroup | None, timeout_s: float) -> lis
     size = comm.group_size(group)
     if size == 1 or failures.is_fake_group():  # a fake group's peers are always present (Note [fake process group])
         return []
-    store = dist.distributed_c10d._get_default_store()
+    store = failures.default_store()  # scoped to this attempt (Note [one store namespace per attempt] in elastic)
     ranks = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
     base = f"shardopt/arrive/{ranks}/{label}"
     number = _arrivals.get(base, 0)

@@ -192,12 +192,40 @@ def is_fake_group() -> bool:
     return dist.is_available() and dist.is_initialized() and str(dist.get_backend()) == FAKE_BACKEND
 
 
+_attempt_store: list[Any] = []  # the default store shardopt.elastic formed the group on, if it did
+
+
+def use_attempt_store(store: Any) -> None:
+    """Record that the default group was formed on ``store``, a namespace of this attempt alone
+    (Note [one store namespace per attempt] in ``shardopt.elastic``, which calls this)."""
+    _attempt_store[:] = [store]
+
+
+def _on_attempt_store(store: Any) -> bool:
+    """Whether ``store`` is, or wraps (torch adds a ``PrefixStore``), the recorded attempt store."""
+    while store is not None:
+        if any(store is s for s in _attempt_store):
+            return True
+        store = getattr(store, "underlying_store", None)
+    return False
+
+
 def default_store() -> Any:
-    """The default process group's store, or ``None`` without one."""
+    """The store for shardopt's own keys (the board, the flight recorder, arrivals), or ``None``.
+
+    The default process group's store; when that group was formed with plain
+    ``init_process_group`` on the store torchrun keeps across restarts, the keys go under
+    ``shardopt/restart-<TORCHELASTIC_RESTART_COUNT>/`` so a restarted attempt never reads the
+    last one's (Note [one store namespace per attempt] in ``shardopt.elastic``).
+    """
     try:
-        return dist.distributed_c10d._get_default_store()
+        store = dist.distributed_c10d._get_default_store()
     except Exception:  # no default group (or a torch without this helper): no board
         return None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or _on_attempt_store(store):
+        return store
+    return dist.PrefixStore(f"shardopt/restart-{restart}/", store)
 
 
 def report_failure(message: str, saw: bool = False) -> None:

@@ -99,7 +99,7 @@ def _fsdp2_resume(rank: int, world_size: int, path: str) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    cfg_batches = CharBatches(_CORPUS, 2, 32, rank)
+    cfg_batches = CharBatches(_CORPUS, 2, 32, rank, world_size=world_size)
 
     def make(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         module = build_model("tiny", seed=seed)

@@ -56,7 +56,7 @@ def test_corpus_is_python_source_read_deterministically() -> None:
 
 def test_batches_repeat_per_seed_rank_step_and_differ_across_ranks() -> None:
     corpus = stdlib_corpus(2**16)
-    r0, r0_again, r1 = (CharBatches(corpus, 4, 16, rank) for rank in (0, 0, 1))
+    r0, r0_again, r1 = (CharBatches(corpus, 4, 16, rank, world_size=2) for rank in (0, 0, 1))
     x, y = r0.batch(step=5)
     assert x.shape == y.shape == (4, 16) and x.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next bytes
@@ -64,6 +64,23 @@ def test_batches_repeat_per_seed_rank_step_and_differ_across_ranks() -> None:
     assert not torch.equal(x, r1.batch(step=5)[0])
     assert not torch.equal(x, r0.batch(step=6)[0])
     assert not torch.equal(x, r0.batch(step=5, micro=1)[0])
-    assert not torch.equal(x, CharBatches(corpus, 4, 16, 0, seed=1).batch(step=5)[0])
+    assert not torch.equal(x, CharBatches(corpus, 4, 16, 0, seed=1, world_size=2).batch(step=5)[0])
     with pytest.raises(ValueError, match="fewer than seq_len \\+ 2"):
         CharBatches(corpus[:10], 1, 16, 0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got 2; pass the data-parallel"):
+        CharBatches(corpus, 4, 16, 2, world_size=2)
+
+
+def test_a_step_trains_on_the_same_samples_at_any_world_size_with_the_same_global_batch() -> None:
+    corpus = stdlib_corpus(2**16)
+
+    def step_samples(world: int, batch: int, accum: int, step: int = 7) -> torch.Tensor:
+        parts = [CharBatches(corpus, batch, 16, r, seed=3, world_size=world).batch(step, m)[0]
+                 for m in range(accum) for r in range(world)]
+        return torch.cat(parts)
+
+    eight = step_samples(2, 4, 1)  # 2 ranks x 4 sequences
+    assert eight.shape == (8, 16) and len({tuple(row.tolist()) for row in eight}) == 8
+    for world, batch, accum in ((1, 8, 1), (4, 2, 1), (8, 1, 1), (2, 2, 2), (1, 4, 2)):
+        assert torch.equal(step_samples(world, batch, accum), eight), (world, batch, accum)
+    assert not torch.equal(step_samples(2, 4, 1, step=8), eight)

@@ -140,7 +140,8 @@ _count = _checked(float, "a number such as 7.5e9",
 def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, preset: str) -> None:
     p.add_argument("--model", default=preset, choices=sorted(PRESETS), help=f"model preset (default {preset})")
     p.add_argument("--steps", type=_steps, default=steps, help=f"optimizer steps (default {steps})")
-    p.add_argument("--batch-size", type=_batch, default=batch, help=f"sequences per rank per micro-batch "
+    p.set_defaults(default_batch_size=batch)  # --batch-size stays None when not given (demo's --global-batch-size)
+    p.add_argument("--batch-size", type=_batch, default=None, help=f"sequences per rank per micro-batch "
                    f"(default {batch})")
     p.add_argument("--world-size", type=_local_ranks, default=None,
                    help="local ranks to start (default 2; under torchrun, torchrun decides)")
@@ -192,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "in fp32 (default) or bf16")
     demo.add_argument("--grad-accum", type=_batch, default=1,
                       help="micro-batches per step; all but the last run under no_sync (default 1)")
+    demo.add_argument("--global-batch-size", type=_batch, default=None, metavar="G",
+                      help="sequences per optimizer step over all ranks, instead of --batch-size: each rank takes "
+                           "G / (world size x --grad-accum). A job restarted at another world size (torchrun "
+                           "--nnodes 1:2, another --nproc-per-node) then trains on the same samples per step")
     demo.add_argument("--checkpoint", metavar="PATH", default=None,
                       help="save here at the end (one file; a torch.distributed.checkpoint folder for fsdp2 modes)")
     demo.add_argument("--save-every", type=_step_count, default=0,
@@ -349,14 +354,14 @@ def _demo(args: argparse.Namespace) -> int:
         _fail("demo", f"--amp fp16 is supported with {supported}, not {args.mode!r}; use --amp bf16 (no scaler "
               "needed)")
     job = TrainJob(
-        mode=args.mode, preset=args.model, steps=args.steps, batch_size=args.batch_size,
+        mode=args.mode, preset=args.model, steps=args.steps, batch_size=_demo_batch_size(args, world),
         grad_accum_steps=args.grad_accum, lr=args.lr, seed=args.seed, amp=args.amp, precision=precision,
         warmup_steps=args.warmup_steps, checkpoint_path=checkpoint_path, resume=args.resume or args.resume_if_exists,
         save_every_steps=args.save_every, threads_per_rank=_threads_per_rank(args, world), device=args.device,
         shard_size=args.shard_size, compile=args.compile,
     )
-    if job.resume and checkpoint_path and os.path.exists(checkpoint_path):
-        _check_checkpoint(job)
+    if job.resume and checkpoint_path and os.path.exists(checkpoint_path) and _check_checkpoint(job, args):
+        return 0
     if checkpoint_path and not mode.checkpoints:
         _fail("demo", f"--checkpoint is not supported with mode {mode.name!r} (shardopt cannot consolidate its "
               f"optimizer state); use one of {', '.join(n for n, m in MODES.items() if m.checkpoints)}, or drop "
@@ -371,6 +376,20 @@ def _demo(args: argparse.Namespace) -> int:
 
     results = run_launched("demo", demo_rank, world, job, args.json)
     return 0 if results else 1
+
+
+def _demo_batch_size(args: argparse.Namespace, world: int) -> int:
+    """Sequences per rank and micro-batch: ``--batch-size``, or ``--global-batch-size`` split over the ranks."""
+    if args.global_batch_size is None:
+        return int(args.batch_size or args.default_batch_size)
+    if args.batch_size is not None:
+        _fail("demo", f"--batch-size {args.batch_size} and --global-batch-size {args.global_batch_size} both set the "
+              "batch; pass one of them")
+    per_step = world * args.grad_accum
+    if args.global_batch_size % per_step:
+        _fail("demo", f"--global-batch-size {args.global_batch_size} does not split over {world} ranks x --grad-accum "
+              f"{args.grad_accum}; pass a multiple of {per_step}")
+    return int(args.global_batch_size // per_step)
 
 
 def _demo_precision(args: argparse.Namespace) -> Precision:
@@ -400,14 +419,35 @@ def _check_needs_checkpoint(args: argparse.Namespace) -> None:
             _fail("demo", f"{option} needs --checkpoint PATH ({why})")
 
 
-def _check_checkpoint(job: TrainJob) -> None:
-    from shardopt.app.runner import check_resumable
+def _check_checkpoint(job: TrainJob, args: argparse.Namespace) -> bool:
+    """Check the checkpoint a demo resumes from; ``True`` when the job is already done.
+
+    A job restarted by a scheduler (``--resume-if-exists``) whose checkpoint is at ``--steps``
+    has nothing left to do: it says so and exits 0 on every rank, so that torchrun's agent
+    (or the scheduler) sees a finished job, not a failed one. With ``--resume`` it stays an
+    error: that run asked to train on.
+    """
+    from shardopt.app.runner import NothingToTrain, check_resumable, global_batch
 
     assert job.checkpoint_path is not None
     try:
-        check_resumable(job.checkpoint_path, job)
+        saved = check_resumable(job.checkpoint_path, job)
+    except NothingToTrain as exc:
+        if not (args.resume_if_exists and exc.saved_step == job.steps):
+            _fail("demo", str(exc))
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"shardopt demo: checkpoint {job.checkpoint_path!r} is already at step {job.steps} of "
+                             "--steps: nothing left to do\n")
+        return True
     except ValueError as exc:
         _fail("demo", str(exc))
+    world = _resolve_world("demo", args)
+    before, now = saved.get("global_batch"), global_batch(job, world)
+    if before is not None and before != now and os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"shardopt demo: note: the checkpoint was trained with {before} sequences per step over "
+                         f"{saved.get('world_size')} ranks, this run takes {now} over {world}: it trains on other "
+                         f"samples than the saved run would have; pass --global-batch-size {before} to keep them\n")
+    return False
 
 
 # ---------------------------------------------------------------------- bench
@@ -442,7 +482,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     return run_bench(BenchConfig(
         modes=tuple(names), model=args.model, steps=args.steps, warmup_steps=args.warmup_steps,
-        batch_size=args.batch_size, lr=args.lr, seed=args.seed, rounds=args.rounds, world_size=world,
+        batch_size=args.batch_size or args.default_batch_size, lr=args.lr, seed=args.seed, rounds=args.rounds,
+        world_size=world,
         threads_per_rank=_threads_per_rank(args, world), json_path=args.json, plot_path=args.plot,
         device=args.device, skipped=tuple(skipped), shard_size=args.shard_size, compile=args.compile,
     ))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from shardopt.app.lifeline import LAUNCHER_PID_ENV, run_guarded
+from shardopt.app.lifeline import LAUNCHER_PID_ENV, die_with_agent, run_guarded
 
 __all__ = ["INTERRUPTED_EXIT", "describe_failure", "launch", "run_launched", "under_torchrun"]
 
@@ -63,8 +63,8 @@ def _free_port() -> int:
 def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
     """Run ``entry(*args)`` on ``world_size`` local ranks with torch's elastic launcher.
 
-    Under ``torchrun`` this process already is one rank: ``entry`` runs here and the result
-    is keyed by the global rank. Otherwise ``elastic_launch`` starts the ranks (from a fork
+    Under ``torchrun`` this process already is one rank: ``entry`` runs here, dying with
+    torchrun's agent, and the result is keyed by the global rank. Otherwise ``elastic_launch`` starts the ranks (from a fork
     server on Linux, Note [forkserver, not fork]; spawned otherwise) with a c10d rendezvous on the loopback
     interface, and no restarts: a failing rank stops them all. The ranks and the fork server
     die with this process, even when it is SIGKILLed (Note [no orphans] in
@@ -79,6 +79,7 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
         ``{rank: return value}``.
     """
     if under_torchrun():
+        die_with_agent()  # torch leaves a rank running when its agent is killed (Note [no orphans])
         return {int(os.environ["RANK"]): entry(*args)}
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

@@ -22,6 +22,15 @@ Either process could lose its parent before asking (between fork and prctl); the
 signal never comes. So each checks afterwards that the launcher is still its parent or
 grandparent (a fork server's child), and kills itself if not. Measured on the 2-core test
 machine: launcher SIGKILLed, fork server and both ranks gone in about 0.1 s.
+
+Under ``torchrun`` the ranks are the elastic agent's children, each in a session of its own,
+and torch ties nothing to the agent's life: with the agent SIGKILLed, both ranks of a demo
+trained on (seen on the test machine), holding cores and still saving checkpoints, which a
+job restarted by its scheduler would then share with them. So a torchrun rank runs
+:func:`die_with_agent`: a daemon thread that polls its parent and SIGKILLs the rank once the
+parent is gone. Polling, not prctl: the signal is tied to the thread that started the rank,
+and torch does not promise that it is one that lives as long as the agent. A rank is gone
+within :data:`_POLL_S` of its agent (tests/test_restart.py).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LAUNCHER_PID_ENV", "die_with_launcher", "run_guarded"]
+__all__ = ["LAUNCHER_PID_ENV", "die_with_agent", "die_with_launcher", "run_guarded"]
 
 LAUNCHER_PID_ENV = "SHARDOPT_LAUNCHER_PID"
 """Set by the launcher while it starts ranks, so the fork server knows its launcher's pid."""
@@ -100,6 +109,12 @@ def die_with_launcher(launcher_pid: int, watchdog: bool = True) -> None:
         _kill_self()  # it died before the signal was armed
     if not armed and watchdog:
         threading.Thread(target=_watch, args=(launcher_pid,), name="shardopt-lifeline", daemon=True).start()
+
+
+def die_with_agent() -> None:
+    """Make this torchrun rank die when its elastic agent (its parent) dies (Note [no orphans])."""
+    agent = os.getppid()
+    threading.Thread(target=_watch, args=(agent,), name="shardopt-lifeline", daemon=True).start()
 
 
 def run_guarded(launcher_pid: int, entry: Callable[..., Any], *args: Any) -> Any:

@@ -12,6 +12,7 @@ one for the benchmark. :func:`stdlib_corpus` reads the Python standard library's
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import sysconfig
@@ -214,27 +215,43 @@ def stdlib_corpus(max_bytes: int = 4 * 2**20) -> torch.Tensor:
 
 
 class CharBatches:
-    """Random fixed-length windows of a byte corpus, reproducible per (seed, rank, step).
+    """Random fixed-length windows of a byte corpus: the samples of a step depend on the seed and
+    the step alone, and each rank takes its slice of them.
+
+    How it works: the samples of optimizer step ``s`` are numbered ``0 .. G-1`` (G =
+    ``batch_size * world_size * micro-batches``, the global batch); sample ``j`` is the window
+    starting at a position given by a hash of ``(seed, s, j)`` (BLAKE2b). Rank
+    ``r`` takes, for micro-batch ``m``, samples ``(m * world_size + r) * batch_size`` onwards.
+    So a step trains on the same G samples at any world size that keeps G (Note [the same run
+    at another world size] in :mod:`shardopt.app.runner`), and a resumed run draws what the
+    uninterrupted one would have.
 
     Args:
         corpus: 1-D uint8 tokens (e.g. from :func:`stdlib_corpus`).
-        batch_size: sequences per batch.
+        batch_size: sequences per batch (per rank and micro-batch).
         seq_len: tokens per sequence.
         rank: this process's data-parallel rank (ranks see different windows).
         seed: the sampling seed shared by all ranks.
+        world_size: data-parallel ranks.
 
     Raises:
-        ValueError: the corpus is shorter than one window plus its target.
+        ValueError: the corpus is shorter than one window plus its target, or ``rank`` is
+            not in ``[0, world_size)``.
     """
 
-    def __init__(self, corpus: torch.Tensor, batch_size: int, seq_len: int, rank: int, seed: int = 0) -> None:
+    def __init__(self, corpus: torch.Tensor, batch_size: int, seq_len: int, rank: int, seed: int = 0,
+                 world_size: int = 1) -> None:
         if corpus.numel() < seq_len + 2:
             raise ValueError(f"corpus has {corpus.numel()} tokens, fewer than seq_len + 2 = {seq_len + 2}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}; pass the data-parallel "
+                             "world size")
         self.corpus = corpus
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.rank = rank
         self.seed = seed
+        self.world_size = world_size
 
     def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-byte targets for ``step`` (and micro-batch ``micro``), int64.
@@ -246,7 +263,14 @@ class CharBatches:
         Returns:
             ``(tokens, targets)``, each ``(batch_size, seq_len)``.
         """
-        gen = torch.Generator().manual_seed(((self.seed * 1_000_003 + step) * 1009 + micro) * 1031 + self.rank)
-        starts = torch.randint(0, self.corpus.numel() - self.seq_len - 1, (self.batch_size,), generator=gen)
-        window = torch.stack([self.corpus[s: s + self.seq_len + 1] for s in starts.tolist()]).long()
+        first = (micro * self.world_size + self.rank) * self.batch_size
+        high = self.corpus.numel() - self.seq_len - 1
+        starts = [_sample_start(self.seed, step, j, high) for j in range(first, first + self.batch_size)]
+        window = torch.stack([self.corpus[s: s + self.seq_len + 1] for s in starts]).long()
         return window[:, :-1], window[:, 1:]
+
+
+def _sample_start(seed: int, step: int, sample: int, high: int) -> int:
+    """Where sample ``sample`` of ``step`` starts, in ``[0, high)``: a pure function of its arguments."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % high  # a bias below high / 2**64 (< 1e-12 here)

@@ -192,7 +192,12 @@ def _demo_rank(job: runner.TrainJob, json_path: str | None, json_stream: IO[str]
                 progress.update(task, completed=info.step, loss=f"{info.loss:.4f}", tps=f"{info.tokens_per_s:,.0f}",
                                 refresh=True)
 
-            reports = runner.train(job, on_step)
+            def on_resume(step: int) -> None:  # a line, so a restarted job's log says where it resumed
+                progress.update(task, completed=step)
+                console.print(f"shardopt demo: resumed from step {step} of {job.steps} ({job.checkpoint_path})",
+                              soft_wrap=True)
+
+            reports = runner.train(job, on_step, on_resume)
         console.print(demo_table(job, reports))
         payload = [r.as_dict() for r in reports]
         if json_path:

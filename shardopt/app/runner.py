@@ -26,14 +26,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from shardopt import checkpoint, comm
+from shardopt import checkpoint, comm, elastic
+from shardopt.app.faults import FaultPlan
 from shardopt.app.group_bytes import GROUP_KINDS, GroupBytes, ddp_step_bytes
 from shardopt.app.models import PRESETS, CharBatches, build_model, stdlib_corpus
 from shardopt.app.modes import Setup, Wrapped, full_parameters, get_mode, load_optimizer_state
 from shardopt.app.precision import Precision
 from shardopt.memory import MemoryRecorder
 
-__all__ = ["RankReport", "StepInfo", "TrainJob", "check_resumable", "init_process_group_from_env", "train"]
+__all__ = ["NothingToTrain", "RankReport", "StepInfo", "TrainJob", "check_resumable", "global_batch",
+           "init_process_group_from_env", "train"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -193,7 +195,9 @@ def init_process_group_from_env(timeout_s: float = 600.0, device: str = "auto") 
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # On a namespace of this torchrun attempt alone: a restart must not read the last
+        # attempt's keys (Note [one store namespace per attempt] in shardopt.elastic).
+        elastic.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return where
 
 
@@ -241,15 +245,63 @@ def _make_scaler(job: TrainJob, device: torch.device) -> Any | None:
     return ShardedGradScaler(device=device.type)
 
 
-def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> None:
+def _save(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None, faults: FaultPlan | None) -> None:
+    with faults.saving(step, comm.group_rank(None)) if faults is not None else contextlib.nullcontext():
+        _save_now(job, wrapped, step, scaler)
+
+
+def _save_now(job: TrainJob, wrapped: Wrapped, step: int, scaler: Any | None) -> None:
     assert job.checkpoint_path is not None
+    world = comm.group_size(None)
     extra = {"step": step, "mode": job.mode, "preset": job.preset, "seed": job.seed,
-             "precision": job.precision.name, "scaler": scaler.state_dict() if scaler is not None else None}
+             "precision": job.precision.name, "scaler": scaler.state_dict() if scaler is not None else None,
+             "world_size": world, "global_batch": global_batch(job, world)}
     assert wrapped.checkpoint_target is not None
     if get_mode(job.mode).sharded_checkpoint:
         checkpoint.save_sharded(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
     else:
         checkpoint.save_consolidated(job.checkpoint_path, wrapped.checkpoint_target, wrapped.optimizer, extra)
+
+
+# Note [what a resume restores]
+# A demo run's state is the model, the optimizer state (Adam's moments and step counts, and
+# the fp32 master weights of --precision bf16-master, which the consolidated file holds
+# whole), the step counter and the fp16 gradient scaler's state (in the checkpoint's extra).
+# Nothing else carries over because nothing else exists: a step's samples are a pure function
+# of (seed, step, sample index) (shardopt.app.models.CharBatches), the GPT has no dropout and
+# draws no random numbers after its seeded initialisation, and the learning rate is
+# constant. So a run killed and resumed any number of times at the same world size ends bit
+# for bit equal to the uninterrupted run (tests/test_chaos.py, scripts/chaos.py).
+#
+# Note [the same run at another world size]
+# Resumed at another world size with the same global batch (--global-batch-size G), every
+# step trains on the same G samples: rank r of W takes its slice of them. What changes is how
+# the gradient is summed (W partial sums of G/W samples each, by the reduction of the mode)
+# and which rank owns which parameter's optimizer state (elementwise Adam: owners do not
+# change the arithmetic). The losses of a resumed step agree with the uninterrupted run's to
+# the rounding of that sum (fp32: 0 to 2.4e-7 after 4 to 6 steps at 1, 3 and 4 ranks after 2;
+# bf16 parameters with fp32 masters: 4.5e-5, as a bf16 rounding of a parameter can flip),
+# against 1.5e-2 to 7e-2 when the global batch changes too. Adam turns rounding noise into
+# full steps where the true gradient is zero (the attention's key bias gets none): such
+# elements move by up to the learning rate per step in either run, in directions that need
+# not agree. A resume that changes the global batch is allowed and says so.
+
+
+def global_batch(job: TrainJob, world_size: int) -> int:
+    """Sequences per optimizer step over all ranks (Note [the same run at another world size])."""
+    return job.batch_size * job.grad_accum_steps * world_size
+
+
+class NothingToTrain(ValueError):
+    """The checkpoint is already at the job's last step or beyond.
+
+    Attributes:
+        saved_step: the checkpoint's step.
+    """
+
+    def __init__(self, saved_step: int, message: str) -> None:
+        super().__init__(message)
+        self.saved_step = saved_step
 
 
 def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
@@ -269,7 +321,8 @@ def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
 
     Raises:
         ValueError: not a shardopt checkpoint, another model, seed or precision, a file
-            where a folder is needed (or back), or already at ``job.steps`` or beyond.
+            where a folder is needed (or back).
+        NothingToTrain: already at ``job.steps`` or beyond (a ``ValueError``).
     """
     saved = checkpoint.read_extra(path)
     if saved is None:
@@ -287,9 +340,9 @@ def check_resumable(path: str, job: TrainJob) -> dict[str, Any]:
                          "elsewhere")
     saved_step = saved.get("step")
     if isinstance(saved_step, int) and saved_step >= job.steps:
-        raise ValueError(f"checkpoint {path!r} is at step {saved_step} but --steps is {job.steps}: there is nothing "
-                         f"left to train; pass --steps greater than {saved_step} to continue, or drop --resume to "
-                         "start over")
+        raise NothingToTrain(saved_step, f"checkpoint {path!r} is at step {saved_step} but --steps is {job.steps}: "
+                             f"there is nothing left to train; pass --steps greater than {saved_step} to continue, or "
+                             "drop --resume to start over")
     sharded_checkpoint = get_mode(job.mode).sharded_checkpoint
     if os.path.isdir(path) != sharded_checkpoint:
         kind = "a sharded folder" if os.path.isdir(path) else "a consolidated file"
@@ -346,12 +399,15 @@ def _one_step(job: TrainJob, wrapped: Wrapped, batches: CharBatches, step: int, 
     return loss_value
 
 
-def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> list[RankReport]:
+def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None,
+          on_resume: Callable[[int], None] | None = None) -> list[RankReport]:
     """Run ``job`` on this rank; a collective (every rank calls it with the same job).
 
     Args:
         job: what to run.
         on_step: called on rank 0 after every step, outside the measured window.
+        on_resume: called on rank 0 with the step a checkpoint was loaded at, before training
+            on from it (not called when the run starts from step 0).
 
     Returns:
         Every rank's :class:`RankReport`, indexed by rank (the same list on every rank).
@@ -363,14 +419,15 @@ def train(job: TrainJob, on_step: Callable[[StepInfo], None] | None = None) -> l
     """
     comm.require_initialized("shardopt.app.runner.train")
     try:
-        return _train(job, on_step)
+        return _train(job, on_step, on_resume)
     except BaseException as exc:
         # The other ranks' collectives end naming this rank and why (Note [failure board] in shardopt.failures).
         comm.report_failure(f"{type(exc).__name__}: {exc}".splitlines()[0])
         raise
 
 
-def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[RankReport]:
+def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None,
+           on_resume: Callable[[int], None] | None) -> list[RankReport]:
     mode = get_mode(job.mode)
     if job.preset not in PRESETS:
         raise ValueError(f"unknown model preset {job.preset!r}; choose one of {sorted(PRESETS)}")
@@ -378,13 +435,16 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
     rank, world = comm.group_rank(None), comm.group_size(None)
     device = _train_device(job.device)
     cfg = PRESETS[job.preset]
-    batches = CharBatches(stdlib_corpus(job.corpus_bytes), job.batch_size, cfg.seq_len, rank, job.seed)
+    batches = CharBatches(stdlib_corpus(job.corpus_bytes), job.batch_size, cfg.seq_len, rank, job.seed, world)
     reason = mode.unavailable(device.type) or mode.refuses(job.precision)  # imports the mode's library: the baseline has it
     if reason is not None:
         raise ValueError(reason)
     recorder = MemoryRecorder()
     recorder.start()
     module = build_model(cfg, seed=job.seed, device=device)
+    faults = FaultPlan.from_env(rank)  # None unless a restart test asks this rank to die
+    if faults is not None:
+        faults.arm(module)
     num_params = sum(p.numel() for p in module.parameters())
     setup = Setup(job.lr, device, job.precision, job.batch_size, job.grad_accum_steps, job.shard_size, job.compile)
     group_bytes = None if mode.peer else GroupBytes(job.shard_size)
@@ -392,12 +452,16 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None) -> list[Ra
         wrapped = mode.wrap(module, setup)
         scaler = _make_scaler(job, device)
         start = _resume(job, wrapped, scaler)
+        if start and rank == 0 and on_resume is not None:
+            on_resume(start)
         # DDP reduces in C++, past shardopt.comm: its bytes are computed (Note [bytes per group]).
         ddp_bytes = ddp_step_bytes(list(wrapped.module.parameters()), world) if isinstance(wrapped.model, DDP) else 0.0
         loss, per_step = _steps(job, wrapped, batches, start, scaler, recorder, device, group_bytes, ddp_bytes,
-                                on_step)
+                                on_step, faults)
     if job.checkpoint_path and job.steps > start:
-        _save(job, wrapped, job.steps, scaler)
+        _save(job, wrapped, job.steps, scaler, faults)
+    if faults is not None:
+        faults.at_exit(job.steps)
     counted = recorder.steps[job.warmup_steps:]
     by_group = per_step[job.warmup_steps:]
     times = tuple(s.seconds for s in counted)
@@ -432,7 +496,8 @@ def _compiled_graphs() -> int:
 
 def _steps(job: TrainJob, wrapped: Wrapped, batches: CharBatches, start: int, scaler: Any | None,
            recorder: MemoryRecorder, device: torch.device, group_bytes: GroupBytes | None, ddp_bytes: float,
-           on_step: Callable[[StepInfo], None] | None) -> tuple[float, list[dict[str, float]]]:
+           on_step: Callable[[StepInfo], None] | None,
+           faults: FaultPlan | None) -> tuple[float, list[dict[str, float]]]:
     """Train from ``start`` to ``job.steps``: the last loss, and each step's bytes by group kind."""
     rank, world = comm.group_rank(None), comm.group_size(None)
     tokens_per_step = job.batch_size * PRESETS[job.preset].seq_len * job.grad_accum_steps * world
@@ -440,6 +505,8 @@ def _steps(job: TrainJob, wrapped: Wrapped, batches: CharBatches, start: int, sc
     per_step: list[dict[str, float]] = []
     for step in range(start, job.steps):
         comm.barrier(None)
+        if faults is not None:
+            faults.begin_step(step + 1)
         before = group_bytes.snapshot() if group_bytes is not None else {}
         t0 = time.perf_counter()
         with recorder.step():
@@ -450,7 +517,7 @@ def _steps(job: TrainJob, wrapped: Wrapped, batches: CharBatches, start: int, sc
             per_step.append({k: v - before[k] for k, v in group_bytes.snapshot().items()})
         done = step + 1
         if job.checkpoint_path and job.save_every_steps and done % job.save_every_steps == 0 and done < job.steps:
-            _save(job, wrapped, done, scaler)
+            _save(job, wrapped, done, scaler, faults)
         if rank == 0 and on_step is not None:
             on_step(StepInfo(done, job.steps, loss, tokens_per_step / seconds))
     return loss, per_step
