@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardopt.elastic import init_process_group
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler, split_hidden_matrices
 
@@ -45,7 +46,7 @@ cuda = torch.cuda.is_available()
 device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
 if cuda:
     torch.cuda.set_device(device)
-dist.init_process_group("nccl" if cuda else "gloo")
+init_process_group("nccl" if cuda else "gloo")  # torch's, made safe for torchrun restarts
 rank = dist.get_rank()
 
 torch.manual_seed(0)  # the same initial weights on every rank

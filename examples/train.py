@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.checkpoint import load_consolidated, save_consolidated
+from shardopt.elastic import init_process_group
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 
@@ -22,7 +23,7 @@ cuda = torch.cuda.is_available()
 device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
 if cuda:
     torch.cuda.set_device(device)
-dist.init_process_group("nccl" if cuda else "gloo")
+init_process_group("nccl" if cuda else "gloo")  # torch's, made safe for torchrun restarts
 rank = dist.get_rank()
 
 torch.manual_seed(0)  # the same initial weights on every rank
