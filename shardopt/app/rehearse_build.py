@@ -36,8 +36,8 @@ from shardopt.app.shapes import SHAPE_PRESETS, DecoderShape, read_hf_config
 from shardopt.nn.fsdp import FullyShardedDataParallel, MixedPrecision
 from shardopt.optim import OSS
 
-__all__ = ["REHEARSED_MODES", "Built", "Checkpointed", "ModelSpec", "build_rank", "make_batch", "model_spec",
-           "refuses", "unit_list"]
+__all__ = ["REHEARSED_MODES", "Built", "Checkpointed", "ModelSpec", "build_rank", "deferred_all_reduce", "make_batch",
+           "materialize", "model_spec", "num_params", "refuses", "unit_list"]
 
 REHEARSED_MODES = ("ddp", "zero1", "zero2", "zero2-split", "zero1-hybrid", "zero2-hybrid", "zero3")
 """The modes a rehearsal builds: shardopt's own (:data:`shardopt.app.modes.OWN_MODES`); peers are not rehearsed."""
@@ -252,7 +252,8 @@ class Built:
 
     def finish_backward(self) -> None:
         """Wait the all-reduces DDP's hook issued during the backward just run."""
-        pending, self.pending = self.pending, []
+        pending = list(self.pending)
+        self.pending.clear()  # the same list object: DDP's hook holds it as its state
         comm.wait_all(pending)
 
     def _inner(self) -> torch.optim.Optimizer:

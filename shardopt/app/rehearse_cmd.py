@@ -220,7 +220,8 @@ def model_state_bound(mode: str, precision: Precision, shapes: Sequence[Sequence
 
 
 def _gib(value: float) -> str:
-    return f"{value / 2**30:.2f} GiB"
+    """Bytes as GiB with two decimals, or MiB below a GiB."""
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.2f} MiB"
 
 
 def _ranks(args: argparse.Namespace, spec_shapes: list[tuple[int, ...]], precision: Precision) -> tuple[int, ...]:
@@ -281,8 +282,9 @@ def check_args(args: argparse.Namespace) -> tuple[Plan, ModelSpec]:
     bounds = {r: model_state_bound(args.mode, precision, shapes, args.world_size, args.shard_size, r) for r in ranks}
     need = max(bounds.values())
     if need > device_memory:
-        option = f"--device-memory {args.device_memory}" if args.device_memory else "this device's memory"
-        fail("rehearse", f"{option} ({_gib(device_memory)}) is too small for --model {spec.name} in --mode "
+        option = f"--device-memory {_gib(device_memory)}" if args.device_memory else \
+            f"this device's memory ({_gib(device_memory)})"
+        fail("rehearse", f"{option} is too small for --model {spec.name} in --mode "
              f"{args.mode} at --world-size {args.world_size}: a rank's model states alone take {_gib(need)} by the "
              "ownership plan, before activations and buffers; raise --world-size, use a mode that shards more "
              "(zero3 holds 1/N of everything), or give a larger --device-memory")

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+import torch
 
 from shardopt.app.group_bytes import GROUP_KINDS
 from shardopt.app.rehearse import CATEGORIES, RankRehearsal
-from shardopt.app.render import machine_info
 from shardopt.app.step_model import Prediction, predict_steps
 
 if TYPE_CHECKING:
@@ -124,5 +127,7 @@ def rehearsal_json(plan: Plan, results: Sequence[RankRehearsal]) -> dict[str, An
         "link": {"gbps": plan.link.gbps, "latency_us": plan.link.latency_us},
         "memory_method": "torch dispatch-mode storage tracking (docs/rehearse.md)",
         "ranks": [rank_row(plan, r) for r in results],
-        "machine": machine_info(),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "load_average_1min": os.getloadavg()[0],
+                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }

@@ -1,0 +1,10 @@
+"""Factory models for ``shardopt rehearse --model package.module:factory`` tests."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def embedding_only() -> nn.Module:
+    """A model with a vocabulary but no repeated blocks (nothing to checkpoint)."""
+    return nn.Embedding(16, 4)
