@@ -15,6 +15,7 @@ import gc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -258,6 +259,11 @@ def _watch(config: RehearsalConfig, built: Built, batch: tuple[torch.Tensor, tor
 _MAX_REPLAYS = 3
 
 
+def _look(found: list[MemoryBreakdown], tracker: StorageTracker, built: Built, previous: _Watched, start: int) -> None:
+    """At the replayed event: what the live storages are (Note [what the peak is made of])."""
+    found.append(_attribute(tracker, built, start, previous.comm_offsets, previous.phase))
+
+
 def _tracked_steps(config: RehearsalConfig, built: Built, batch: tuple[torch.Tensor, torch.Tensor],
                    tracker: StorageTracker) -> tuple[int, int, MemoryBreakdown]:
     """The first step's peak, the steady peak and its parts (Note [the peak, replayed])."""
@@ -269,10 +275,7 @@ def _tracked_steps(config: RehearsalConfig, built: Built, batch: tuple[torch.Ten
         for _ in range(_MAX_REPLAYS):
             found: list[MemoryBreakdown] = []
             previous = measured
-
-            def look(start: int) -> None:
-                found.append(_attribute(tracker, built, start, previous.comm_offsets, previous.phase))
-
+            look = partial(_look, found, tracker, built, previous)
             measured = _watch(config, built, batch, tracker, look, previous.offset)
             if not found:
                 raise AssertionError(f"[rank {comm.group_rank(None)}] the replayed step ended before event "

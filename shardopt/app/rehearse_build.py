@@ -269,7 +269,7 @@ class Built:
         """Every gradient of a parameter (ZeRO-3: also those a unit holds aside while gathered)."""
         out: list[torch.Tensor | None] = [p.grad for p in self.module.parameters()]
         for u in self.units:
-            out += list(u.unit.stash) + [u.unit.grad_accumulator]
+            out += [*u.unit.stash, u.unit.grad_accumulator]
         return out
 
     def master_tensors(self) -> list[torch.Tensor | None]:
@@ -321,12 +321,12 @@ def _zero3(module: nn.Module, blocks: nn.ModuleList | None, device: torch.device
            lr: float) -> Built:
     mixed = MixedPrecision(param_dtype=torch.bfloat16) if precision.name == "bf16-master" else None
     init = partial(materialize, device=device, dtype=torch.float32)
-    units = []
+    units: list[FullyShardedDataParallel] = []
     for i, block in enumerate(list(blocks) if blocks is not None else []):
         # forward prefetch as shardopt demo's zero3 (and FSDP2) does
-        blocks[i] = FullyShardedDataParallel(block, mixed_precision=mixed, param_init_fn=init,  # type: ignore[index]
-                                             forward_prefetch=True)
-        units.append(blocks[i])  # type: ignore[index]
+        unit = FullyShardedDataParallel(block, mixed_precision=mixed, param_init_fn=init, forward_prefetch=True)
+        blocks[i] = unit  # type: ignore[index]
+        units.append(unit)
     root = FullyShardedDataParallel(module, mixed_precision=mixed, param_init_fn=init, forward_prefetch=True)
     opt = torch.optim.Adam(root.parameters(), lr=lr)
     return Built(root, module, opt, [root, *units])

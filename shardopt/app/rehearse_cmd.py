@@ -23,7 +23,7 @@ from rich.console import Console
 
 from shardopt.app.precision import PRECISIONS, Precision
 from shardopt.app.rehearse import MIN_STEPS, RankRehearsal, RehearsalConfig, heaviest_rank, rehearse_rank
-from shardopt.app.rehearse_build import REHEARSED_MODES, ModelSpec, model_spec, num_params, refuses, unit_list
+from shardopt.app.rehearse_build import REHEARSED_MODES, model_spec, num_params, refuses, unit_list
 from shardopt.app.rehearse_render import render_rehearsal, rehearsal_json
 from shardopt.app.render import JSON_TO_STDOUT, stdout_kept_for_json, write_json
 from shardopt.app.step_model import Link
@@ -109,46 +109,47 @@ def add_rehearse_parser(sub: Any, epilog: str) -> None:
     """Add the ``rehearse`` subcommand to the command's subparsers."""
     p = sub.add_parser("rehearse", help="play one rank of N at full size: will it fit, how fast will it step",
                        description="Build rank r of N of the real model at full size on this machine's device under "
-                                   "torch's fake process group, train it on a real batch for a few steps, and report "
-                                   "its peak memory by category, whether it fits --device-memory, its compute time, "
-                                   "its bytes per step per process group, and a predicted step time on --link-gbps / "
-                                   "--latency-us (docs/rehearse.md).",
+                                   "torch's fake process group,\ntrain it on a real batch for a few steps, and report "
+                                   "its peak memory by category, whether it fits\n--device-memory, its compute time, "
+                                   "its bytes per step per process group, and a predicted step\ntime on --link-gbps "
+                                   "and --latency-us (docs/rehearse.md).",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="a preset (a Llama-style shape such as llama3-8b or tinyllama-1.1b, or a "
                       "built-in GPT such as 27m) or package.module:factory returning an nn.Module that maps token ids "
                       "(batch, seq) to logits (batch, seq, vocab)")
     what.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json of a Llama-style decoder")
-    p.add_argument("--world-size", type=_int_range(1, MAX_WORLD_SIZE, "64"), required=True,
+    p.add_argument("--world-size", metavar="N", type=_int_range(1, MAX_WORLD_SIZE, "64"), required=True,
                    help="N, the data-parallel ranks of the run rehearsed")
     p.add_argument("--mode", choices=REHEARSED_MODES, default="zero2", help="how the run shards (default zero2)")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="parameter precision (default bf16-master where the mode has it: bf16 parameters, fp32 "
                         "masters; zero3: fp32 shards, bf16 compute; ddp: bf16)")
-    p.add_argument("--shard-size", type=_int_range(1, MAX_WORLD_SIZE, "8"), default=None,
+    p.add_argument("--shard-size", metavar="S", type=_int_range(1, MAX_WORLD_SIZE, "8"), default=None,
                    help="S, ranks per shard group of zero1-hybrid and zero2-hybrid; must divide --world-size")
-    p.add_argument("--ranks", type=_rank_list, default=None,
+    p.add_argument("--ranks", metavar="R,R,...", type=_rank_list, default=None,
                    help="the ranks to play (default: 0, the last rank and the plan's heaviest)")
-    p.add_argument("--batch-size", type=_int_range(1, 2**20, "8"), default=1,
+    p.add_argument("--batch-size", metavar="B", type=_int_range(1, 2**20, "8"), default=1,
                    help="sequences per rank per step (default 1)")
-    p.add_argument("--seq-len", type=_int_range(1, 2**24, "4096"), default=None,
+    p.add_argument("--seq-len", metavar="T", type=_int_range(1, 2**24, "4096"), default=None,
                    help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's longest if shorter)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in backward (torch.utils.checkpoint)")
-    p.add_argument("--steps", type=_int_range(MIN_STEPS, 1000, "6"), default=MIN_STEPS,
+    p.add_argument("--steps", metavar="K", type=_int_range(MIN_STEPS, 1000, "6"), default=MIN_STEPS,
                    help=f"training steps per rank: 3 tracked for memory, the rest timed (default {MIN_STEPS})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the rank runs: auto (a GPU when there is one), cpu, cuda (default auto)")
     p.add_argument("--device-memory", type=parse_size, default=None, metavar="SIZE",
                    help="the target device's memory, e.g. 80GiB (default: this machine's device: the GPU's total "
                         "memory, or the host's memory on the CPU)")
-    p.add_argument("--link-gbps", type=_number(strict=True), default=DEFAULT_LINK_GBPS,
+    p.add_argument("--link-gbps", metavar="GBPS", type=_number(strict=True), default=DEFAULT_LINK_GBPS,
                    help=f"the target's bandwidth per rank and direction, Gbit/s (default {DEFAULT_LINK_GBPS:g})")
-    p.add_argument("--latency-us", type=_number(strict=False), default=DEFAULT_LATENCY_US,
+    p.add_argument("--latency-us", metavar="US", type=_number(strict=False), default=DEFAULT_LATENCY_US,
                    help=f"the target's latency per message round, microseconds (default {DEFAULT_LATENCY_US:g})")
-    p.add_argument("--threads", type=_int_range(1, 1024, "8"), default=None,
+    p.add_argument("--threads", metavar="T", type=_int_range(1, 1024, "8"), default=None,
                    help="intra-op threads (default: torch's, usually every core)")
-    p.add_argument("--seed", type=_int_range(0, 999_999, "0"), default=0, help="initialisation and data seed")
+    p.add_argument("--seed", type=_int_range(0, 999_999, "0"), default=0,
+                   help="initialisation and data seed, 0 to 999999 (default 0)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the results as JSON; - writes them to standard output (tables go to standard "
                         "error)")
@@ -237,11 +238,11 @@ def _ranks(args: argparse.Namespace, spec_shapes: list[tuple[int, ...]], precisi
     return tuple(sorted({0, n - 1} | ({heavy} if heavy is not None else set())))
 
 
-def check_args(args: argparse.Namespace) -> tuple[Plan, ModelSpec]:
+def check_args(args: argparse.Namespace) -> Plan:
     """Check every option before anything is built; a bad one ends the command with one line.
 
     Returns:
-        The plan and the model.
+        The plan.
     """
     if args.json:
         check_writable("rehearse", "--json", args.json, folder=False, why="the results are written there")
@@ -295,7 +296,7 @@ def check_args(args: argparse.Namespace) -> tuple[Plan, ModelSpec]:
              f"{_gib(available)} available; raise --world-size, use --mode zero3, or rehearse on a larger machine")
     config = RehearsalConfig(spec, args.mode, precision, args.world_size, args.shard_size, args.batch_size, seq_len,
                              args.activation_checkpointing, args.steps, args.seed, device.type, args.threads)
-    return Plan(config, ranks, device_memory, Link(args.link_gbps, args.latency_us), count, bounds), spec
+    return Plan(config, ranks, device_memory, Link(args.link_gbps, args.latency_us), count, bounds)
 
 
 def _capacity(device: torch.device) -> int:
@@ -313,7 +314,7 @@ def _available(device: torch.device) -> int | None:
 
 def run_rehearse(args: argparse.Namespace) -> int:
     """``shardopt rehearse`` with its parsed arguments; the exit code."""
-    plan, spec = check_args(args)
+    plan = check_args(args)
     to_stdout = args.json == JSON_TO_STDOUT
     console = Console(stderr=True)
     results: list[RankRehearsal] = []

@@ -21,7 +21,7 @@ from shardopt.app.step_model import Prediction, predict_steps
 if TYPE_CHECKING:
     from shardopt.app.rehearse_cmd import Plan
 
-__all__ = ["rank_row", "render_rehearsal", "rehearsal_json"]
+__all__ = ["rank_row", "rehearsal_json", "render_rehearsal"]
 
 _GIB = 2.0**30
 

@@ -134,7 +134,7 @@ class StorageTracker(TorchDispatchMode):
         with self._lock:
             old = self._live.get(key)
             if old is None:
-                self._refs[key] = weakref.ref(storage, lambda _ref, k=key: self._dead(k))
+                self._refs[key] = weakref.ref(storage, self._on_death(key))
                 self._born[key] = self.events
                 self._live[key] = nbytes
                 self._total += nbytes
@@ -143,6 +143,12 @@ class StorageTracker(TorchDispatchMode):
                 self._total += nbytes - old
             if self._total > self.peak_bytes:
                 self.peak_bytes, self.peak_event, self.peak_label = self._total, self.events, self.label
+
+    def _on_death(self, key: int) -> Callable[[Any], None]:
+        def dead(_ref: Any) -> None:
+            self._dead(key)
+
+        return dead
 
     def _dead(self, key: int) -> None:
         with self._lock:
@@ -189,7 +195,7 @@ class StorageTracker(TorchDispatchMode):
             self._after_event()
         return result
 
-    def __enter__(self) -> StorageTracker:
+    def __enter__(self) -> StorageTracker:  # noqa: PYI034 - a TorchDispatchMode subclass, entered as itself
         if StorageTracker._active is not None:
             raise RuntimeError("a StorageTracker is already entered in this process; leave it before entering another")
         StorageTracker._active = self
@@ -200,7 +206,7 @@ class StorageTracker(TorchDispatchMode):
         def resize_(storage: Any, nbytes: int) -> Any:
             return tracker._resize(storage, nbytes)
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         super().__enter__()
         return self
 

@@ -172,7 +172,7 @@ class TimelineRecorder:
             saved_wait = comm.PendingWork.wait
             for name, call in saved.items():
                 setattr(comm, name, self._wrap(name, call, signatures[name]))
-            comm.PendingWork.wait = self._wait_wrapper(saved_wait)  # type: ignore[method-assign]
+            comm.PendingWork.wait = self._wait_wrapper(saved_wait)  # type: ignore[method-assign,assignment]
             try:
                 yield self
             finally:
