@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardopt.app.cli import main
 from shardopt.app.rehearse import CATEGORIES
@@ -86,4 +87,18 @@ def test_rehearse_bad_input_is_one_line_naming_the_option_the_value_and_the_fix(
                                                                               "torch.device('meta') failed"),
         (["rehearse", "--model", "tests.helpers.rehearse_models:embedding_only", "--world-size", "2",
           "--activation-checkpointing"], "has no nn.ModuleList of repeated blocks to checkpoint; drop the flag"),
+        (["rehearse", "--model", "nomodule:build", "--world-size", "8"], "cannot load 'build' from 'nomodule'"),
+        (["rehearse", "--model", "tests.helpers.rehearse_models:not_a_module", "--world-size", "8"],
+         "returned int, not an nn.Module"),
+        ([*base, "--world-size", "8", "--ranks", "0,x"], "expected comma-separated ranks such as 0,63"),
+        # found while training the first step, after the fake group exists: still one line
+        (["rehearse", "--model", "tests.helpers.rehearse_models:embedding_only", "--world-size", "2", "--seq-len",
+          "4", "--ranks", "0"], "model(tokens) returned shape (1, 4, 4); rehearse needs logits of shape (batch, seq, "
+                                "16) from token ids of shape (batch, seq)"),
     ], capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_rehearse_device_cuda_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_one_line_errors([(["rehearse", "--model", "tiny", "--world-size", "2", "--device", "cuda"],
+                             "--device cuda: torch sees no CUDA device here; use --device auto or cpu")], capsys)

@@ -21,7 +21,7 @@ from shardopt.app.precision import Precision
 from shardopt.app.rehearse import CATEGORIES, RehearsalConfig, heaviest_rank, rehearse_on_group, rehearse_rank
 from shardopt.app.rehearse_build import ModelSpec, build_rank, model_spec, num_params
 from shardopt.app.shapes import SHAPE_PRESETS
-from shardopt.app.step_model import Link, predict, rounds
+from shardopt.app.step_model import Link, predict, predict_steps, rounds
 from shardopt.app.storage_trace import StorageTracker
 from shardopt.app.timeline import CollectiveCall, StepTimeline
 from shardopt.testing import run_ranks
@@ -167,6 +167,10 @@ def test_step_model_latency_counts_ring_rounds() -> None:
     assert link.seconds(_call(0, 0, 0.0, "all_reduce", 8)) == pytest.approx(14 * 10e-6)
     with pytest.raises(ValueError, match="--link-gbps must be > 0"):
         Link(0.0, 1.0)
+    with pytest.raises(ValueError, match="--latency-us must be >= 0"):
+        Link(1.0, -1.0)
+    with pytest.raises(ValueError, match="predict_steps needs at least one step's timeline"):
+        predict_steps([], link)
 
 
 def test_build_rank_refuses_what_it_cannot_build() -> None:
@@ -189,3 +193,17 @@ def test_build_rank_refuses_what_it_cannot_build() -> None:
         dist.destroy_process_group()
     with pytest.raises(ValueError, match=r"--ranks: rank 4 is not in \[0, 4\)"):
         rehearse_rank(_config("zero2"), 4)
+
+
+def test_rehearse_rank_refuses_a_process_that_has_a_group_and_trackers_refuse_nesting() -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(RuntimeError, match="rehearse makes its own fake default process group"):
+            rehearse_rank(_config("zero2", world_size=2), 0)
+    finally:
+        dist.destroy_process_group()
+    with StorageTracker("cpu"), pytest.raises(RuntimeError, match="a StorageTracker is already entered"):
+        StorageTracker("cpu").__enter__()

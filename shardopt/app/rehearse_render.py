@@ -57,7 +57,9 @@ def _title(plan: Plan) -> str:
     c = plan.config
     layout = f", S={c.shard_size}" if c.shard_size else ""
     ckpt = ", activation checkpointing" if c.checkpointing else ""
-    return (f"{c.spec.name} ({plan.num_params / 1e9:.3g}B params), {c.mode} at {c.precision.describe()}, "
+    precision = "fp32 shards, bf16 compute" if c.mode == "zero3" and c.precision.name == "bf16-master" else \
+        c.precision.describe()
+    return (f"{c.spec.name} ({plan.num_params / 1e9:.3g}B params), {c.mode} at {precision}, "
             f"rank r of N={c.world_size}{layout}, batch {c.batch_size} x {c.seq_len} tokens{ckpt}, on {c.device}")
 
 
