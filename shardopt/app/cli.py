@@ -34,6 +34,8 @@ from shardopt.app.measure import add_measure_args
 from shardopt.app.models import PRESETS
 from shardopt.app.modes import MODES, bench_names, get_mode, resolve
 from shardopt.app.precision import PRECISIONS, REDUCE_DTYPES, Precision
+from shardopt.app.rehearse_cmd import EXAMPLES as REHEARSE_EXAMPLES
+from shardopt.app.rehearse_cmd import add_rehearse_parser, run_rehearse
 from shardopt.app.runner import DEVICE_CHOICES, TrainJob
 from shardopt.app.usage import check_writable as _check_writable
 from shardopt.app.usage import fail as _fail
@@ -61,6 +63,7 @@ EXAMPLES = {
         ("shardopt estimate --hf-config path/to/config.json --world-size 8 --fp32 --json -",
          "a Hugging Face model's shapes, fp32 Adam"),
     ),
+    "rehearse": REHEARSE_EXAMPLES,
     "convert": (
         ("shardopt convert out/ckpt-sharded out/hf/model.safetensors",
          "weights for from_pretrained (config.json beside it)"),
@@ -253,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--plot", metavar="PNG", default=None, help="draw bytes per rank against N = 1 to 1024, mixed "
                      "precision and fp32 (needs matplotlib); with --measure, the measured points too")
     add_measure_args(est)
+    add_rehearse_parser(sub, _epilog("rehearse"))
     _add_convert(sub)
     return parser
 
@@ -530,5 +534,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         on stderr; Ctrl-C ends every rank and exits 130.
     """
     args = build_parser().parse_args(argv)
-    handlers = {"demo": _demo, "bench": _bench, "estimate": run_estimate, "env": _env, "convert": _convert}
+    handlers = {"demo": _demo, "bench": _bench, "estimate": run_estimate, "env": _env, "convert": _convert,
+                "rehearse": run_rehearse}
     return handlers[args.command](args)

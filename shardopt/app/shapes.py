@@ -5,7 +5,7 @@ so an 8B-parameter model costs a list of tuples, not 16 GB. :class:`DecoderShape
 Llama-style decoder (token embedding; per layer q/k/v/o projections with grouped-query
 attention, a gated MLP of gate/up/down projections and two RMSNorm weights; a final norm; an
 LM head unless tied), in the order Hugging Face's ``LlamaForCausalLM.named_parameters()``
-lists them. :data:`SHAPE_PRESETS` names Llama-3-8B; :func:`read_hf_config` reads the same
+lists them. :data:`SHAPE_PRESETS` names Llama-3-8B, Llama-3.2-1B and TinyLlama-1.1B; :func:`read_hf_config` reads the same
 fields from a ``config.json`` (Llama, Mistral and other configs with these keys).
 """
 
@@ -76,6 +76,12 @@ SHAPE_PRESETS: dict[str, DecoderShape] = {
     # meta-llama/Meta-Llama-3-8B config.json: 8,030,261,248 parameters
     "llama3-8b": DecoderShape(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                               num_heads=32, num_kv_heads=8, head_dim=128, tie_embeddings=False),
+    # meta-llama/Llama-3.2-1B config.json: 1,235,814,400 parameters (embedding tied to the head)
+    "llama3.2-1b": DecoderShape(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                                num_heads=32, num_kv_heads=8, head_dim=64, tie_embeddings=True),
+    # TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json: 1,100,048,384 parameters, 32k vocabulary
+    "tinyllama-1.1b": DecoderShape(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22,
+                                   num_heads=32, num_kv_heads=4, head_dim=64, tie_embeddings=False),
 }
 """Shape-only presets for ``shardopt estimate --model``."""
 
