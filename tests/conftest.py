@@ -15,8 +15,10 @@ from __future__ import annotations
 import getpass
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(  # Note [one inductor cache per CPU capability]
@@ -41,6 +43,23 @@ def _in_process_tests_start_no_process(request: pytest.FixtureRequest, monkeypat
 
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _child_processes_write_temporary_files_in_a_folder_removed_at_the_end() -> Iterator[None]:
+    """Processes the tests start (torchrun's agents above all: each leaves a ``torchelastic_*``
+    log folder in the temporary directory, 700 in one day of runs here) write their temporary
+    files under one folder that is removed when the session ends. This process's own
+    temporary directory (pytest's ``tmp_path``, the inductor cache) was fixed at import."""
+    folder = tempfile.mkdtemp(prefix="shardopt-tests-")
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder
+    yield
+    if previous is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = previous
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
