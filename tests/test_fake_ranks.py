@@ -289,7 +289,7 @@ def test_bad_measure_options_end_in_one_line(tmp_path: Path, capsys: pytest.Capt
         ([*base, "--measure", "--measure-scale", "300"], "--measure-scale 300 leaves head_dim 128 // 300 = 0"),
         ([*base, "--measure-world-sizes", "8"], "--measure-world-sizes needs --measure; add --measure"),
         (["estimate", "--params", "1e9", "--world-size", "8", "--measure"],
-         "--measure builds a scaled-down Llama-style decoder, so it needs --model llama3-8b or --hf-config "
-         "config.json; got --params 1e+09"),
+         "--measure builds a scaled-down Llama-style decoder, so it needs --model (one of llama3-8b, "
+         "llama3.2-1b, tinyllama-1.1b) or --hf-config config.json; got --params 1e+09"),
         ([*base, "--measure", "--plot", str(a_file / "plot.png")], "is a file, not a folder; choose another path"),
     ], capsys)

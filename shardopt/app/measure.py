@@ -120,8 +120,8 @@ def check_measure_args(args: argparse.Namespace) -> DecoderShape | None:
     shape = decoder_shape(args.model, args.hf_config)
     if shape is None:
         got = f"--params {args.params:g}" if args.params is not None else f"--model {args.model!r}"
-        raise ValueError(f"--measure builds a scaled-down Llama-style decoder, so it needs --model "
-                         f"{' or --model '.join(sorted(SHAPE_PRESETS))} or --hf-config config.json; got {got}")
+        raise ValueError(f"--measure builds a scaled-down Llama-style decoder, so it needs --model (one of "
+                         f"{', '.join(sorted(SHAPE_PRESETS))}) or --hf-config config.json; got {got}")
     scaled(shape, DEFAULT_SCALE if args.measure_scale is None else args.measure_scale)
     return shape
 
