@@ -21,6 +21,8 @@ def _redirected() -> bool:
 
 
 def test_an_old_wrappers_finalizer_during_a_registration_leaves_the_redirect_installed() -> None:
+    gc.collect()  # wrappers an earlier test left in garbage cycles (a traceback's frames) would keep the redirect
+    assert not _redirected(), "a live wrapper from another test is registered"
     old_params = [torch.nn.Parameter(torch.zeros(2))]
     old: list[_Wrapper] = [_Wrapper()]
     clipping.register_sharded(old[0], old_params, "Old.clip")
