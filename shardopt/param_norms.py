@@ -10,8 +10,9 @@ which part of its gradient this rank holds: the rows an OSS owner keeps
 (``OSS.grad_holder(param).grad``, plus the owned rows of a real ``param.grad`` not yet folded
 into a master), the rows a ZeRO-3 unit keeps, or the whole local ``.grad`` for a parameter no
 wrapper shards (DDP's, already averaged). Each rank puts ``|part|_p ** p`` (the max for the
-inf-norm) in one slot per parameter of a float64 vector, plus a "has a gradient" flag; one
-all-reduce per process group (sum, or max for inf) combines them; the norm is the p-th root.
+inf-norm) in one slot per parameter of a float64 vector built on the device, plus a "has a
+gradient" flag; one all-reduce per process group (sum, or max for inf) combines them, the
+host reads the vector once per group, and the norm is the p-th root.
 Every element is counted once: owners hold disjoint rows, and a hybrid layout's replicas are
 not counted again (the reduction runs over the shard group only). A parameter held whole by
 one rank gets exactly ``torch.linalg.vector_norm`` of its gradient (the float64 power and
@@ -21,6 +22,7 @@ vector of two float64 slots per parameter, reduced once per group per call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +38,7 @@ from shardopt.placeholders import is_placeholder
 __all__ = ["grad_norms"]
 
 _LABEL = "shardopt::grad_norms"
+_LOCAL = "local"  # the slots of parameters no wrapper shards: this rank's own gradient, no exchange
 
 
 def _optimizers_by_param(named: list[tuple[str, nn.Parameter]]) -> dict[int, OSS]:
@@ -106,46 +109,42 @@ def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict[str, torch.Ten
     named = list(_named_unique(module))
     optimizers = _optimizers_by_param(named)
     parts: list[torch.Tensor | None] = []
-    groups: list[Any] = []  # the process group each slot is reduced over; "local" for none
+    groups: list[Any] = []  # the process group each slot is reduced over; _LOCAL for none
     for _, p in named:
         registration = clipping.sharded_by(p)
         wrapper = registration.wrapper if registration is not None else None
         if isinstance(wrapper, FullyShardedDataParallel) and owner_of(p) is not None:
             parts.append(p.grad.detach() if p.grad is not None else None)
             groups.append(wrapper.unit.config.shard_group)  # replicas hold equal shards
-            continue
-        opt = optimizers.get(id(p))
-        if opt is not None:
-            parts.append(_oss_part(p, opt))
-            groups.append(opt.group)
-            continue
-        parts.append(None if p.grad is None or is_placeholder(p) else p.grad.detach())
-        groups.append("local")
-    terms = torch.zeros(2 * len(named), dtype=torch.float64)
-    for i, part in enumerate(parts):
-        if part is not None:
-            norm = torch.linalg.vector_norm(part, norm_type).double()
-            terms[i] = norm if inf else norm**norm_type  # host-side vector: one copy per parameter
-            terms[len(named) + i] = 1.0
+        elif id(p) in optimizers:
+            parts.append(_oss_part(p, optimizers[id(p)]))
+            groups.append(optimizers[id(p)].group)
+        else:
+            parts.append(None if p.grad is None or is_placeholder(p) else p.grad.detach())
+            groups.append(_LOCAL)
     distinct: list[Any] = []
     for g in groups:
-        if g != "local" and all(g is not d for d in distinct):
+        if all(g is not d for d in distinct):
             distinct.append(g)
+    totals: dict[int, float] = {}
     for group in distinct:
         slots = [i for i, g in enumerate(groups) if g is group]
-        picked = torch.tensor(slots + [len(named) + i for i in slots])
-        device = _device_of(named, slots)
-        exchange = terms[picked].to(device)
-        comm.all_reduce(exchange, group, op="max" if inf else "sum", label=_LABEL).wait()
-        terms[picked] = exchange.cpu()  # host-read: the call's one, per group
-    out = {}
-    for i, (name, p) in enumerate(named):
-        if terms[len(named) + i] > 0:
-            value = terms[i] if inf else terms[i] ** (1.0 / norm_type)
-            out[name] = value.to(torch.float32).to(p.device)
-    return out
+        device = named[slots[0]][1].device  # a CUDA one for NCCL
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        powers = []
+        for i in slots:
+            part = parts[i]
+            norm = zero if part is None else torch.linalg.vector_norm(part, norm_type).to(device, torch.float64)
+            powers.append(norm if inf else norm**norm_type)
+        held = torch.tensor([float(parts[i] is not None) for i in slots], dtype=torch.float64)  # host facts
+        exchange = torch.cat([torch.stack(powers), held.to(device)])  # built on the device: no per-slot read
+        if group is not _LOCAL:
+            comm.all_reduce(exchange, group, op="max" if inf else "sum", label=_LABEL).wait()
+        values = exchange.cpu().tolist()  # host-read: the call's one per process group
+        for k, i in enumerate(slots):
+            if values[len(slots) + k] > 0:
+                totals[i] = values[k] if inf else math.sqrt(values[k]) if norm_type == 2 else values[k] ** (1 / norm_type)
+    return {name: torch.tensor(totals[i], dtype=torch.float32, device=p.device)
+            for i, (name, p) in enumerate(named) if i in totals}
 
 
-def _device_of(named: list[tuple[str, nn.Parameter]], slots: list[int]) -> torch.device:
-    """Where a group's exchange runs: the first parameter's device (a CUDA one for NCCL)."""
-    return named[slots[0]][1].device if slots else torch.device("cpu")
