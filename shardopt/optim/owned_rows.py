@@ -55,7 +55,6 @@ class OwnedRows:
         self.split: frozenset[int] = frozenset(i for i, (a, b) in self.rows.items() if (a, b) != (0, plan.rows[i]))
         """The indices this rank owns only some rows of."""
         self._views: dict[int, nn.Parameter] = {}
-        self._linked: set[int] = set()
 
     def owns(self, index: int) -> bool:
         """Whether this rank owns rows of ``params[index]``."""
@@ -68,7 +67,6 @@ class OwnedRows:
     def build_views(self, params: Sequence[torch.Tensor], indices: Iterable[int]) -> None:
         """Make the row views of ``params[i]`` for ``i`` in ``indices`` that are split here."""
         self._views = {}
-        self._linked = set()
         for i in sorted(indices):
             if i in self.split:
                 a, b = self.rows[i]
@@ -96,20 +94,18 @@ class OwnedRows:
             if grad is not None:
                 a, b = self.rows[i]
                 view.grad = grad[a:b]
-                self._linked.add(i)
 
     def after_step(self, params: Sequence[torch.Tensor]) -> None:
-        """Unlink the views linked to ``param.grad``; keep the gradients ShardedDataParallel
-        wrote, behind a placeholder (Note [split gradients outlive the step])."""
+        """Unlink the views linked to ``param.grad`` (it is still there: :meth:`link_grads` took
+        any placeholder); keep the gradients ShardedDataParallel wrote, behind a placeholder
+        (Note [split gradients outlive the step])."""
         for i, view in self._views.items():
-            if i in self._linked:
+            if params[i].grad is not None:
                 view.grad = None
             elif view.grad is not None:
                 leave_placeholder(params[i])
-        self._linked.clear()
 
     def free_grads(self) -> None:
         """Drop every view's gradient."""
         for view in self._views.values():
             view.grad = None
-        self._linked.clear()
