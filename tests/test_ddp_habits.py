@@ -27,20 +27,13 @@ from shardopt.nn.data_parallel.ddp_habits import DDP_ONLY
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.optim import grad_norm
 from shardopt.testing import RankFailure, run_ranks
-from tests.helpers.data import rank_batch, seeded_mlp
+from tests.helpers.data import decay_groups, rank_batch, seeded_mlp
 from tests.helpers.gpt import gpt, lm_loss, tokens
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 MAX_NORM = 0.05  # far below the gradients' norm (about 3): every step clips
 SMALL_NORM = 0.01  # for the bf16 MLP, whose gradients' norm is about 0.19
-
-
-def decay_groups(model: nn.Module) -> list[dict[str, Any]]:
-    """The usual AdamW split: matrices decay, vectors do not. Its order is not the module's."""
-    params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:

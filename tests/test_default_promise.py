@@ -26,12 +26,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
+from tests.helpers.data import decay_groups
 from tests.helpers.gpt import gpt, lm_loss, tokens
 from tests.helpers.sdp import VocabModel, rel_diff, vocab_loss
 
@@ -42,12 +42,6 @@ NORM_BOUND = 2 * 17 * 2.0**-24  # relative; see the module docstring
 PARAM_BOUND = 2.0**-20
 
 
-def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
-    params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
 def _run(rank: int, world_size: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message="OSS: the heaviest rank")
     out: dict[str, Any] = {}
@@ -56,9 +50,9 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         make = gpt if name == "gpt" else VocabModel
         ref, model = make(), make()
         ddp = DDP(ref)
-        ref_opt = torch.optim.AdamW(_decay_groups(ref), lr=1e-2)
+        ref_opt = torch.optim.AdamW(decay_groups(ref), lr=1e-2)
         kwargs = {} if split is None else {"split_large_params": split}  # None: the default, not passed
-        opt = OSS(_decay_groups(model), optim=torch.optim.AdamW, lr=1e-2, **kwargs)
+        opt = OSS(decay_groups(model), optim=torch.optim.AdamW, lr=1e-2, **kwargs)
         sdp = ShardedDataParallel(model, opt)
         index = {id(p): i for i, p in enumerate(opt.params)}
         key = f"{name}/clip={clip}/split={split}"

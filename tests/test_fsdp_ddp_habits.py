@@ -22,20 +22,13 @@ from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.integrations.convert import release
 from shardopt.nn.fsdp import ModuleClassPolicy, ShardingStrategy
 from shardopt.testing import run_ranks
-from tests.helpers.data import max_abs_diff
+from tests.helpers.data import decay_groups, max_abs_diff
 from tests.helpers.fsdp import all_sharded
 from tests.helpers.gpt import Block, gpt, lm_loss, tokens
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 BLOCKS = ModuleClassPolicy((Block,))
-
-
-def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
-    """nanoGPT's grouping: matrices decay, vectors (biases, norms) do not."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def _message(call: Callable[[], object], exc: type[Exception]) -> str:
@@ -55,8 +48,8 @@ def _groups(rank: int, world_size: int) -> dict[str, Any]:
     model = FSDP(gpt(), auto_wrap_policy=BLOCKS)  # the README's order: wrap, then build the optimizer
     names = {id(p): n for n, p in model.named_parameters()}
     ref_names = {id(p): n for n, p in ref.module.named_parameters()}
-    out["groups"] = [[names[id(p)] for p in g["params"]] for g in _decay_groups(model)]
-    out["ref_groups"] = [[ref_names[id(p)] for p in g["params"]] for g in _decay_groups(ref)]
+    out["groups"] = [[names[id(p)] for p in g["params"]] for g in decay_groups(model)]
+    out["ref_groups"] = [[ref_names[id(p)] for p in g["params"]] for g in decay_groups(ref)]
     out["full_count"] = sum(s.numel() for s in model.full_parameter_shapes().values())
     out["ref_count"] = sum(p.numel() for p in ref.parameters())
     local = torch.tensor(float(sum(p.numel() for p in model.parameters())))
@@ -65,8 +58,8 @@ def _groups(rank: int, world_size: int) -> dict[str, Any]:
     out["full_shapes"] = {n: tuple(s) for n, s in model.full_parameter_shapes().items()}
     out["ref_shapes"] = {n: tuple(p.shape) for n, p in ref.module.named_parameters()}
     if world_size == 2:  # DDP's arithmetic: AdamW with decay on matrices only, 5 steps
-        opt_ref = torch.optim.AdamW(_decay_groups(ref), lr=1e-2)
-        opt = torch.optim.AdamW(_decay_groups(model), lr=1e-2)
+        opt_ref = torch.optim.AdamW(decay_groups(ref), lr=1e-2)
+        opt = torch.optim.AdamW(decay_groups(model), lr=1e-2)
         for step in range(5):
             toks = tokens(rank, step)
             for m, o in ((ref, opt_ref), (model, opt)):
@@ -128,7 +121,7 @@ def test_state_dict_of_model_module_is_full_on_every_rank() -> None:
 def _index_keyed(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ref = DDP(gpt())
-    opt_ref = torch.optim.AdamW(_decay_groups(ref), lr=1e-2)
+    opt_ref = torch.optim.AdamW(decay_groups(ref), lr=1e-2)
 
     def train(m: nn.Module, o: torch.optim.Optimizer, steps: range) -> None:
         for step in steps:
@@ -144,14 +137,14 @@ def _index_keyed(rank: int, world_size: int) -> dict[str, Any]:
     fresh = gpt(seed=7)
     fresh.load_state_dict(saved_model)
     model = FSDP(fresh, auto_wrap_policy=BLOCKS)
-    opt = torch.optim.AdamW(_decay_groups(model), lr=1e-2)
+    opt = torch.optim.AdamW(decay_groups(model), lr=1e-2)
     opt.load_state_dict(FSDP.shard_full_optim_state_dict(saved_optim, model, opt))
     train(model, opt, range(3, 5))
     out["diff"] = max_abs_diff(model.state_dict().values(), _plain_state(ref).values())
     # a grouping of other sizes, and the same sizes in another order, name the keying
     one_group = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out["sizes"] = _message(lambda: FSDP.shard_full_optim_state_dict(saved_optim, model, one_group), ValueError)
-    groups = _decay_groups(model)
+    groups = decay_groups(model)
     reordered = torch.optim.AdamW([{**g, "params": g["params"][::-1]} for g in groups], lr=1e-2)
     out["order"] = _message(lambda: FSDP.shard_full_optim_state_dict(saved_optim, model, reordered), ValueError)
     return out

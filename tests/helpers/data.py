@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,3 +29,9 @@ def max_abs_diff(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:
                default=0.0)
 
 
+def decay_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """nanoGPT's AdamW grouping: matrices decay, vectors (biases, norms) do not. Its order is
+    not the module's."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
