@@ -158,9 +158,12 @@ def test_zero1_zero2_zero3_train_like_ddp_with_accumulation_clipping_and_schedul
     for out in results:
         assert out[f"{CLIP}/max_norm_seen"] > 5 * CLIP, out  # clipping is active every step
         for mode in ("zero1", "zero2", "zero3", "zero3_units"):  # shardopt.grad_norms under every strategy
-            # the norm of per-parameter norms: split and ZeRO-3 rows are summed per block (within rounding)
+            # split and ZeRO-3 rows are summed per block: (log2(512) + 1) * 2**-24 = 6e-7 relative for
+            # the largest (32 x 16) weight (tests/test_grad_norms.py), and ZeRO-3's clip leaves the
+            # parameters a few ulps from DDP's by the later steps: 1e-6 (measured 0 for ZeRO-1/2, 8.8e-8
+            # for ZeRO-3, also under avx2)
             seen, want = out[f"{CLIP}/{mode}/max_norm_seen"], out[f"{CLIP}/max_norm_seen"]
-            assert abs(seen - want) <= 1e-5 * want, (mode, seen, want)
+            assert abs(seen - want) <= 1e-6 * want, (mode, seen, want)
         for key in [k for k in out if k.endswith("/plain")]:
             assert out[key], (key, out)
             assert out[key.replace("/plain", "/precision")] == "ShardedPrecision"
