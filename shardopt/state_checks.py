@@ -65,6 +65,7 @@ __all__ = [
     "check_indexed_state",
     "check_model_state",
     "check_optimizer_state",
+    "check_state_dict_groups",
     "check_state_fits",
     "checksums",
     "entry_fits",
@@ -297,6 +298,35 @@ def _rule(name: str) -> str:
     if name == MASTER_KEY:
         return "a master weight must be a floating tensor of exactly its parameter's shape"
     return "optimizer state must have the parameter's shape (or 1 in some dimensions)"
+
+
+def check_state_dict_groups(state_dict: Any, sizes: Sequence[int]) -> tuple[list[dict[str, Any]], dict[Any, int]]:
+    """Check that ``state_dict`` is a torch.optim state dict whose param groups have ``sizes``
+    parameters each (an OSS's), and whose state entries all belong to a group.
+
+    Returns:
+        The saved param groups, and each saved parameter id's index in the optimizer's order.
+
+    Raises:
+        ValueError: not a torch.optim state dict, other group sizes, or an entry no group lists.
+    """
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if (not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict)
+            or not all(isinstance(g, dict) and "params" in g for g in groups)):
+        raise ValueError("state_dict must be a torch.optim state dict with 'state' and 'param_groups' "
+                         "(each group with 'params'); pass optimizer.state_dict() output")
+    ours, theirs = list(sizes), [len(g["params"]) for g in groups]
+    if ours != theirs:
+        raise ValueError(
+            f"state_dict has parameter groups of sizes {theirs} ({sum(theirs)} parameters) but this OSS "
+            f"has {ours} ({sum(ours)} parameters); load a state dict saved from the same model and param groups"
+        )
+    to_index = {pid: i for i, pid in enumerate(pid for g in groups for pid in g["params"])}
+    unknown = [k for k in state_dict["state"] if k not in to_index]
+    if unknown:
+        raise ValueError(f"state_dict['state'] has entries {unknown[:5]} that no param group lists; "
+                         "load a state dict saved from the same model and param groups")
+    return groups, to_index
 
 
 def check_state_fits(state: Mapping[Any, Any], to_index: Mapping[Any, int], params: tuple[torch.Tensor, ...]) -> None:

@@ -135,15 +135,23 @@ class FlatGroup:
         dtype: the master dtype.
         entries: ``(index, shape)`` of each master, in parameter order.
         flatten: whether the optimizer updates element by element (may step a flat tensor).
+        host: the buffers are offloaded host memory (Note [offloaded masters] in
+            :mod:`shardopt.optim.masters`): pinned when ``pin`` (the parameters are on a
+            GPU), and the gradient buffer is kept between steps instead of being freed.
+        pin: allocate the buffers in pinned (page-locked) host memory.
     """
 
     def __init__(self, number: int, device: torch.device, dtype: torch.dtype,
-                 entries: Sequence[tuple[int, torch.Size]], flatten: bool) -> None:
+                 entries: Sequence[tuple[int, torch.Size]], flatten: bool, host: bool = False,
+                 pin: bool = False) -> None:
         self.number = number
         segments, flat_numel = plan_segments(entries, flatten)
         self.segments: dict[int, Segment] = {s.index: s for s in segments}
         """Each master's segment, by parameter index."""
-        self.data = torch.empty(sum(s.numel for s in segments), device=device, dtype=dtype)
+        self.host = host
+        """Whether the buffers are offloaded host memory whose gradient buffer outlives a step."""
+        self._pin = pin
+        self.data = torch.empty(sum(s.numel for s in segments), device=device, dtype=dtype, pin_memory=pin)
         """The buffer holding every master of the group."""
         self.masters: dict[int, torch.Tensor] = {
             s.index: self.data[s.offset : s.offset + s.numel].view(s.shape).requires_grad_(True) for s in segments}
@@ -176,7 +184,8 @@ class FlatGroup:
     def _slots_now(self) -> dict[int, torch.Tensor]:
         """Each master's view of the gradient buffer (allocating the buffer and the views)."""
         if self._grad is None:
-            self._grad = torch.empty_like(self.data)
+            self._grad = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.data.device,
+                                     pin_memory=self._pin)
             pieces = self._grad.split_with_sizes([s.numel for s in self.segments.values()])
             self._slots = {s.index: piece if piece.shape == s.shape else piece.view(s.shape)
                            for s, piece in zip(self.segments.values(), pieces, strict=True)}
@@ -227,13 +236,16 @@ class FlatGroup:
         return True
 
     def free_grads(self) -> None:
-        """Drop every master's gradient and the gradient buffer."""
+        """Drop every master's gradient, and the gradient buffer unless it is offloaded host
+        memory (allocating and first touching it is most of a host step's overhead: Note
+        [offloaded masters] in :mod:`shardopt.optim.masters`)."""
         for master in self.masters.values():
             master.grad = None
         if self.flat is not None:
             self.flat.grad = None
-        self._grad = None
-        self._slots = {}
+        if not self.host:
+            self._grad = None
+            self._slots = {}
 
     # ------------------------------------------------------------------ optimizer state
 

@@ -156,7 +156,8 @@ class ShardedGradScaler(GradScaler):
         # the gradients the step reads (masters' fp32 ones, row views') and those of the
         # parameters that have neither (a parameter with a master or rows elsewhere is its
         # owners' business).
-        if not (isinstance(optimizer, OSS) and (optimizer.master_dtype is not None or optimizer.plan.split_params)):
+        if not (isinstance(optimizer, OSS) and (optimizer.master_dtype is not None or optimizer.plan.split_params
+                                                or optimizer.offload is not None)):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         optimizer.collect_master_grads()
         split = set(optimizer.plan.split_params)

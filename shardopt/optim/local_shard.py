@@ -165,7 +165,7 @@ class LocalShard:
                 state.update(flat_group.split_state(entry))
             elif tensor in index and entry:
                 state[index[tensor]] = entry
-        for i, master in self.masters.items():
+        for i, master in self.masters.saved_items():  # not the mirrors: Note [offloaded masters] in shardopt.optim.masters
             state[i] = {**state.get(i, {}), MASTER_KEY: master}
         state.update(self.parked)
         return dict(sorted(state.items()))

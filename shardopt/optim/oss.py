@@ -33,14 +33,14 @@ from shardopt.hybrid import HybridLayout, resolve_group
 from shardopt.optim import sharded_entries
 from shardopt.optim.elementwise import resolve_split, warn_if_unbalanced
 from shardopt.optim.grad_norm import clip_for_wrapper, clip_params
-from shardopt.optim.masters import MasterWeights, check_master_dtype, needs_master
+from shardopt.optim.masters import MasterWeights, check_master_dtype, check_offload, needs_master
 from shardopt.optim.local_shard import LocalShard, group_ranges, hyper
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
 from shardopt.optim.state_transport import (Fragments, Gap, Missing, Snapshot, StateByIndex, collect, cut_rows,
                                             dropped, migrate, no_snapshot_error, refuse_stale_masters, state_to_param,
                                             to_cpu)
 from shardopt.partition import Partition, SplitPlan, cut_quantum, plan_split, plan_whole
-from shardopt.state_checks import MASTER_KEY, check_state_fits
+from shardopt.state_checks import MASTER_KEY, check_state_dict_groups, check_state_fits
 
 __all__ = ["OSS"]
 
@@ -89,6 +89,10 @@ class OSS(Optimizer):
             nothing changes (warns once). ``None`` (default): no masters.
         device_mesh, shard_size: a hybrid layout as a 2-D ``("replicate", "shard")`` mesh or as S,
             ranks per shard group; ownership is then planned over the shard group (:attr:`layout`).
+        offload: ``"cpu"`` keeps this rank's masters (fp32 parameters get exact fp32 ones),
+            their gradients and the optimizer state in host memory and steps there (Note
+            [offloaded masters] in :mod:`shardopt.optim.masters`); ``None`` (default) keeps them
+            on the parameters' device.
         **defaults: keyword arguments of ``optim`` (``lr``, ``momentum``, ...).
 
     Raises:
@@ -96,8 +100,8 @@ class OSS(Optimizer):
             ``master_dtype`` is not a ``torch.dtype``.
         RuntimeError: torch.distributed is not initialised.
         ValueError: the ranks passed different parameter lists, layouts or ``master_dtype``, a bad
-            layout (``resolve_layout``), a trainable parameter is not contiguous, or ``master_dtype`` is not floating or
-            cannot hold a parameter (narrower, or another format of the same width).
+            layout (``resolve_layout``), a trainable parameter is not contiguous, ``master_dtype`` is not floating or
+            cannot hold a parameter (narrower, or another format of the same width), or ``offload`` is not None or "cpu".
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class OSS(Optimizer):
         *,
         device_mesh: DeviceMesh | None = None,
         shard_size: int | None = None,
+        offload: str | None = None,
         **defaults: Any,
     ) -> None:
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
@@ -123,6 +128,7 @@ class OSS(Optimizer):
             )
         if master_dtype is not None:
             check_master_dtype(master_dtype, [])  # the type and kind now; the parameters below
+        host = check_offload(offload)
         self.split_large_params = resolve_split(split_large_params, optim)
         comm.require_initialized("OSS")
         if broadcast_buffer_size != -1:
@@ -142,7 +148,7 @@ class OSS(Optimizer):
         self.rank = comm.group_rank(self.group)
         self.broadcast_fp16 = broadcast_fp16
         self._consolidated: Snapshot | Missing = Missing(Gap.NEVER)  # Note [snapshot freshness] in state_transport
-        self._masters = MasterWeights(master_dtype)
+        self._masters = MasterWeights(master_dtype, host)
         self._plan: SplitPlan  # set by _repartition, with the rest of the plan's state
         self._shard: LocalShard
         if any(p.is_meta for p in self.params):
@@ -150,10 +156,11 @@ class OSS(Optimizer):
         self._check_same_params_on_all_ranks()
         check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__),
                                 ("master_dtype", str(master_dtype)), ("split_large_params", str(self.split_large_params)),
-                                ("layout", self._layout.fingerprint() if self._layout else None)],
+                                ("layout", self._layout.fingerprint() if self._layout else None),
+                                ("offload", offload)],
                         self._checked_over,
                         "pass the same OSS arguments on every rank")  # Note [agree before the first collective] in agreement
-        if check_master_dtype(master_dtype, self.params):  # Note [clipping that bypasses the wrapper] in clipping
+        if check_master_dtype(master_dtype, self.params) or host:  # Note [clipping that bypasses the wrapper]
             clipping.register_sharded(self, self.params, "OSS.clip_grad_norm", clip_for_wrapper)  # grads go to masters
         elif master_dtype is not None:
             _warn_once("no-masters", f"OSS(master_dtype={master_dtype}): every parameter is already {master_dtype}, "
@@ -207,6 +214,12 @@ class OSS(Optimizer):
         if index is None or not self._shard.owned.owns(index) or not param.requires_grad:
             return None
         return self._shard.holder(index, param)
+
+    @property
+    def offload(self) -> str | None:
+        """Where the masters and optimizer state live and step when not with the parameters
+        (``"cpu"``), else ``None`` (Note [offloaded masters] in shardopt.optim.masters)."""
+        return None if self._masters.offload is None else self._masters.offload.type
 
     @property
     def master_dtype(self) -> torch.dtype | None:
@@ -509,24 +522,7 @@ class OSS(Optimizer):
                 first).
             TypeError: a state entry is not a dict.
         """
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if (not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict)
-                or not all(isinstance(g, dict) and "params" in g for g in groups)):
-            raise ValueError("state_dict must be a torch.optim state dict with 'state' and 'param_groups' "
-                             "(each group with 'params'); pass optimizer.state_dict() output")
-        ours = [len(g["params"]) for g in self.param_groups]
-        theirs = [len(g["params"]) for g in groups]
-        if ours != theirs:
-            raise ValueError(
-                f"state_dict has parameter groups of sizes {theirs} ({sum(theirs)} parameters) but this OSS "
-                f"has {ours} ({sum(ours)} parameters); load a state dict saved from the same model and param groups"
-            )
-        saved_ids = [pid for g in groups for pid in g["params"]]
-        to_index = {pid: i for i, pid in enumerate(saved_ids)}
-        unknown = [k for k in state_dict["state"] if k not in to_index]
-        if unknown:
-            raise ValueError(f"state_dict['state'] has entries {unknown[:5]} that no param group lists; "
-                             "load a state dict saved from the same model and param groups")
+        groups, to_index = check_state_dict_groups(state_dict, [len(g["params"]) for g in self.param_groups])
         params = self.params
         check_state_fits(state_dict["state"], to_index, params)  # before anything changes
         state = {to_index[k]: dict(s) for k, s in state_dict["state"].items()}
@@ -578,7 +574,7 @@ class OSS(Optimizer):
         """Empty tensors, for ``dcp.load`` to fill, for the ``saved`` entries (shape and dtype by
         key, as in :meth:`sharded_state_entries`) whose rows this rank owns now, frozen
         parameters included."""
-        devices = {i: p.device for i, p in enumerate(self.params)}
+        devices = {i: self._masters.offload or p.device for i, p in enumerate(self.params)}
         return sharded_entries.template(saved, self._shard.owned.rows, self._plan.rows, devices)
 
     def load_sharded_state_entries(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any],

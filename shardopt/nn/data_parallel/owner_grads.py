@@ -93,8 +93,9 @@ class OwnerGrads:
         """Take the optimizer of every parameter (after a (re)plan)."""
         self._optim_of = dict(optim_of)
         split = {opt.params[i] for opt in set(optim_of.values()) for i in opt.plan.split_params}
-        self._elsewhere = {p for p in optim_of if p.dtype in self._grad_dtypes} | split
-        self._local_sums.keep_in_own_dtype(split)  # Note [split gradients behind placeholders]
+        offloaded = {p for p, opt in optim_of.items() if opt.offload is not None}  # Note [offloaded masters]
+        self._elsewhere = {p for p in optim_of if p.dtype in self._grad_dtypes} | split | offloaded
+        self._local_sums.keep_in_own_dtype(split | offloaded)  # Note [split gradients behind placeholders]
 
     @property
     def has_local(self) -> bool:
@@ -198,6 +199,7 @@ class OwnerGrads:
         before and left after (Note [placeholders for moved gradients] in shardopt.placeholders)."""
         assert holder is not None, f"[rank {self._rank}] {self._name_of(param)!r} was reduced here, but owns no rows"
         self._local_sums.settle(param, holder)
-        if reduced is not None:
+        if reduced is not None:  # to the host for an offloaded master (Note [offloaded masters] in shardopt.optim.masters)
+            reduced = reduced.to(holder.device)
             holder.grad = reduced if holder.grad is None else holder.grad.add_(reduced)
         self._local_sums.leave(param, holder)
