@@ -71,15 +71,15 @@ BAD_ARGUMENTS = [
     (["demo", "--mode", "zero9"], "argument --mode: invalid choice: 'zero9'"),
     (["demo", "--lr", "-1"], "argument --lr: must be > 0, got -1"),
     (["bench", "--steps", "ten"], "argument --steps: expected a positive integer, got 'ten'"),
-    (["bench", "--modes", "ddp,zero9"], "--modes: unknown mode 'zero9'; choose from ddp, ddp-bf16, zero1"),
+    (["bench", "--modes", "ddp,zero9"], "--modes: unknown mode 'zero9'; choose from ddp, ddp-bf16, ddp-amp, zero1"),
     (["bench", "--modes", "fairscale"], "mode 'fairscale' needs fairscale, which is not installed; install it"),
     (["demo", "--mode", "zero3"], "mode 'zero3' needs shardopt.nn.fsdp.FullyShardedDataParallel"),
     (["demo", "--resume"], "--resume needs --checkpoint PATH"),
     (["demo", "--resume-if-exists"], "--resume-if-exists needs --checkpoint PATH (where to resume from)"),
     (["demo", "--save-every", "5"], "--save-every needs --checkpoint PATH (where to save)"),
     (["demo", "--mode", "torch-zero", "--checkpoint", "x.pt"], "--checkpoint is not supported with mode "
-     "'torch-zero' (shardopt cannot consolidate its optimizer state); use one of ddp, zero1, zero2, zero2-split, "
-     "zero1-hybrid, zero2-hybrid, zero3, fsdp2"),
+     "'torch-zero' (shardopt cannot consolidate its optimizer state); use one of ddp, ddp-amp, zero1, zero1-offload, "
+     "zero2, zero2-offload, zero2-split, zero1-hybrid, zero2-hybrid, zero3, fsdp2, fsdp2-reshard, fsdp2-offload"),
     (["demo", "--resume", "--resume-if-exists"], "argument --resume-if-exists: not allowed with argument --resume"),
     (["bench", "--steps", "2"], "--steps 2 leaves nothing to measure after --warmup-steps 2"),
     (["bench", "--plot", "x.png"], "--plot needs matplotlib"),

@@ -35,7 +35,8 @@ def _installed(name: str) -> bool:
 PRECISION_ERRORS = [
     (["demo", "--mode", "zero3", "--precision", "bf16-master"],
      ("--precision: mode 'zero3' does not run at precision 'bf16-master' (bf16 params + fp32 masters); it runs at "
-      "fp32; modes with bf16-master: zero1, zero2, zero2-split, zero1-hybrid, zero2-hybrid, deepspeed-zero2")),
+      "fp32; modes with bf16-master: zero1, zero1-offload, zero2, zero2-offload, zero2-split, zero1-hybrid, zero2-hybrid, "
+      "deepspeed-zero2")),
     (["demo", "--mode", "ddp", "--precision", "bf16-master"],
      "--precision: mode 'ddp' does not run at precision 'bf16-master'"),
     (["demo", "--mode", "fsdp2", "--precision", "bf16"], "modes with bf16: ddp, zero1, zero2"),
@@ -49,22 +50,23 @@ PRECISION_ERRORS = [
       "not fp32")),
     (["demo", "--mode", "zero1", "--precision", "bf16-master", "--reduce-dtype", "fp32"],
      ("--reduce-dtype: mode 'zero1' cannot choose the gradient reduce dtype (reduce dtype 'fp32'); modes that can: "
-      "zero2, zero2-split, zero2-hybrid, deepspeed-zero2")),
+      "zero2, zero2-offload, zero2-split, zero2-hybrid, deepspeed-zero2")),
     (["demo", "--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
     (["demo", "--mode", "deepspeed-zero2", "--precision", "bf16-master"],
      ("mode 'deepspeed-zero2' needs deepspeed, which is not installed; install it with: DS_BUILD_OPS=0 pip "
       "install deepspeed")),
     (["bench", "--modes", "zero3-bf16m"],
      ("--modes: unknown mode 'zero3-bf16m': mode 'zero3' does not run at precision 'bf16-master' (bf16 params + "
-      "fp32 masters); it runs at fp32; modes with bf16-master: zero1, zero2, zero2-split, zero1-hybrid, "
-      "zero2-hybrid, deepspeed-zero2; bench names for zero3: zero3")),
+      "fp32 masters); it runs at fp32; modes with bf16-master: zero1, zero1-offload, zero2, zero2-offload, "
+      "zero2-split, zero1-hybrid, zero2-hybrid, deepspeed-zero2; bench names for zero3: zero3")),
     (["bench", "--modes", "ddp-bf16m"], "bench names for ddp: ddp, ddp-bf16"),
     (["bench", "--modes", "zero2-bf16reduce"],
      "--modes: mode 'zero2-bf16reduce': -bf16reduce needs fp32 masters (a -bf16m name before it)"),
     (["bench", "--modes", "zero1-bf16m-bf16reduce"], "mode 'zero1' cannot choose the gradient reduce dtype"),
     (["bench", "--modes", "deepspeed-zero2"], "bench names for deepspeed-zero2: deepspeed-zero2-bf16m"),
-    (["bench", "--modes", "zero2-fp16"], ("--modes: unknown mode 'zero2-fp16'; choose from ddp, ddp-bf16, zero1, "
-     "zero1-bf16, zero1-bf16m, zero2, zero2-bf16, zero2-bf16m, zero2-bf16m-bf16reduce, zero2-split, "
+    (["bench", "--modes", "zero2-fp16"], ("--modes: unknown mode 'zero2-fp16'; choose from ddp, ddp-bf16, ddp-amp, "
+     "zero1, zero1-bf16, zero1-bf16m, zero1-offload, zero1-offload-bf16m, zero2, zero2-bf16, zero2-bf16m, "
+     "zero2-bf16m-bf16reduce, zero2-offload, zero2-offload-bf16m, zero2-offload-bf16m-bf16reduce, zero2-split, "
      "zero2-split-bf16, zero2-split-bf16m, zero2-split-bf16m-bf16reduce, zero1-hybrid, zero1-hybrid-bf16, "
      "zero1-hybrid-bf16m, zero2-hybrid, zero2-hybrid-bf16, zero2-hybrid-bf16m, zero2-hybrid-bf16m-bf16reduce, "
      "zero3, torch-zero")),
@@ -92,8 +94,8 @@ def test_every_mode_and_precision_has_one_bench_name_that_reads_back() -> None:
                 names.append(run)
     assert {"ddp", "ddp-bf16", "zero1-bf16m", "zero2-bf16m", "zero2-bf16m-bf16reduce", "deepspeed-zero2-bf16m",
             "deepspeed-zero2-bf16m-bf16reduce"} <= set(names)
-    # -bf16m with reduce fp32 is the default's name (zero2, zero2-split, zero2-hybrid, deepspeed)
-    assert len(names) == len(set(names)) + 4
+    # -bf16m with reduce fp32 is the default's name (zero2, zero2-offload, zero2-split, zero2-hybrid, deepspeed)
+    assert len(names) == len(set(names)) + 5
     assert bench_names() == list(dict.fromkeys(names))
 
 

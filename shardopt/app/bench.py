@@ -310,7 +310,14 @@ def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def _per_rank(result: ModeResult, key: str, fmt: Callable[[Any], str]) -> str:
-    return " / ".join(fmt(r[key]) for r in result.ranks)
+    return " / ".join(fmt(r.get(key)) for r in result.ranks)
+
+
+_STATES_CAPTION = (
+    "; states on device / on host = parameters, gradients, masters and optimizer state at the update, counted from "
+    "their storages, on the device the ranks train on / offloaded to host memory (Note \\[counting offloaded state] "
+    "in shardopt.app.state_count; n/a: a peer's mode, not counted); on CPU ranks (gloo) the device is host memory "
+    "too: the heap holds both columns, and offload saves nothing there (fp32 parameters get host mirrors besides)")
 
 
 def _x(value: float | None) -> str:
@@ -331,6 +338,8 @@ def bench_table(args: BenchConfig, world: int, results: list[ModeResult]) -> Tab
     counted = results[0].ranks[0]["counted_steps"]
     rounds = results[0].ranks[0].get("rounds", 1)
     pooled = f" ({rounds} interleaved rounds pooled)" if rounds > 1 else ""
+    offload = any(rank.get("host_state_bytes") for r in results for rank in r.ranks)
+    states = _STATES_CAPTION if offload else ""
     suffixes = "; -bf16: bf16 params, -bf16m: bf16 params + fp32 masters on the owner, -bf16reduce: gradients " \
         "reduced in bf16" if any(resolve(r.mode)[1].name != "fp32" for r in results) else ""
     skipped = "".join(f"; skipped {name}: {reason}" for name, reason in args.skipped)
@@ -343,20 +352,22 @@ def bench_table(args: BenchConfig, world: int, results: list[ModeResult]) -> Tab
                 f"group = bytes per step through shardopt's collectives by process group, DDP's all-reduce computed "
                 f"(Note \\[bytes per group] in shardopt.app.group_bytes), over ddp's"
                 f"{f'; shard groups of {args.shard_size} ranks' if args.shard_size else ''}"
-                f"{suffixes}{skipped}",
+                f"{suffixes}{states}{skipped}",
     )
     on_gpu = any(rank["device_peak"] is not None for r in results for rank in r.ranks)
     kinds = [k for k in GROUP_KINDS if any(r.group_bytes and r.group_bytes[k] for r in results)] or ["world"]
     by_group = f"sent by group ({' / '.join(kinds)})"
-    for column in ("mode", "heap after step", "heap peak", *(("GPU peak",) if on_gpu else ()), "sent/step",
+    state_columns = ("states on device", "states on host") if offload else ()
+    for column in ("mode", "heap after step", "heap peak", *(("GPU peak",) if on_gpu else ()), *state_columns, "sent/step",
                    "median step ms", "max|p - p_ddp|", "time", "heap", "sent", by_group, "vs ddp"):
         table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=column == "mode")
     for r in results:
         step = r.worst("median_step_s")
         gpu = (_per_rank(r, "device_peak", mib),) if on_gpu else ()
+        held = tuple(_per_rank(r, key, mib) for key in ("device_state_bytes", "host_state_bytes")) if offload else ()
         groups, ratios = r.group_bytes, r.group_ratios
         table.add_row(
-            r.mode, _per_rank(r, "heap_after_step", mib), _per_rank(r, "heap_peak", mib), *gpu,
+            r.mode, _per_rank(r, "heap_after_step", mib), _per_rank(r, "heap_peak", mib), *gpu, *held,
             _per_rank(r, "bytes_per_step", mib), "n/a" if step is None else f"{1000 * step:.1f}",
             f"{r.max_param_diff:.2e}", _x(r.time_ratio), _x(r.heap_ratio), _x(r.bytes_ratio),
             "n/a" if groups is None else " / ".join(mib(groups[k]) for k in kinds),

@@ -352,6 +352,9 @@ def _demo(args: argparse.Namespace) -> int:
     if args.resume and checkpoint_path and not os.path.exists(checkpoint_path):
         _fail("demo", f"--resume: no checkpoint at {checkpoint_path!r}; check the path, or use --resume-if-exists "
               "to start from step 0 when there is none")
+    if args.amp is not None and mode.autocast is not None:
+        _fail("demo", f"--amp {args.amp}: mode {args.mode!r} autocasts its forward in {mode.autocast} itself; drop "
+              f"--amp, or use --mode ddp --amp {args.amp}")
     scaler = mode.fp16_scaler
     if args.amp == "fp16" and scaler is None:
         supported = ", ".join(name for name, m in MODES.items() if m.fp16_scaler is not None)

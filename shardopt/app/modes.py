@@ -15,7 +15,9 @@ ZeRO-2, Note [zero2-hybrid mode]), ``zero3``
 ``zero_grad(set_to_none=False)``), ``fairscale-default`` (the same with the optimizer's
 default ``zero_grad()``), ``fsdp2`` and ``fsdp2-reshard`` (torch ``fully_shard`` with
 ``reshard_after_forward`` False and True), ``deepspeed-zero2`` (DeepSpeed's ZeRO-2 engine
-with bf16 parameters and fp32 masters, torch Adam).
+with bf16 parameters and fp32 masters, torch Adam). ``ddp-amp`` (DDP, bf16 autocast, fused
+Adam), ``zero1-offload``, ``zero2-offload`` (``OSS(..., offload="cpu")``) and the peer
+``fsdp2-offload`` are built in :mod:`shardopt.app.offload_modes` (Note [offload modes]).
 
 A mode runs at one :class:`~shardopt.app.precision.Precision` out of those it lists in
 :attr:`Mode.precisions`; :func:`resolve` reads a bench mode name such as
@@ -28,93 +30,21 @@ import contextlib
 import importlib
 import os
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardopt.app.offload_modes import build_ddp_amp, build_zero1_offload, build_zero2_offload, fsdp2_builder
 from shardopt.app.precision import Precision
+from shardopt.app.wrapping import Builder, Setup, Wrapped, ddp_of, oss_of
 from shardopt.hybrid import HybridLayout, resolve_layout
-from shardopt.optim import OSS
 
 __all__ = ["MODES", "OWN_MODES", "PEER_MODES", "Mode", "Setup", "Wrapped", "bench_names", "full_parameters",
            "get_mode", "load_optimizer_state", "resolve"]
 
 
-def _plain_backward(loss: torch.Tensor) -> None:
-    loss.backward()
-
-
-@dataclass
-class Wrapped:
-    """A model wrapped for one mode, with its optimizer and the calls that differ per mode.
-
-    Attributes:
-        model: what to call for the forward pass.
-        module: the unwrapped model (its parameters are full unless the mode shards them).
-        optimizer: the optimizer to step.
-        no_sync: a context manager factory that skips gradient reduction (accumulation).
-        zero_grad: clears gradients the way this mode must.
-        sharded_params: whether ``module``'s parameters are shards (ZeRO-3 / FSDP2), so
-            full values need :func:`full_parameters`.
-        checkpoint_target: the object whose state a checkpoint saves: the unwrapped module
-            when its parameters are full, else the sharding wrapper.
-        param_names: the unwrapped model's parameter names in ``named_parameters()`` order,
-            read before wrapping (set by :meth:`Mode.wrap`); position ``i`` is parameter id
-            ``i`` of a plain ``torch.optim`` state dict over the model.
-        backward: runs the backward pass of a loss (``loss.backward()`` unless the mode's
-            engine must see it, as DeepSpeed's does).
-        step: steps the optimizer when the mode's engine does it instead of
-            ``optimizer.step()`` (DeepSpeed's); ``None`` otherwise.
-    """
-
-    model: nn.Module
-    module: nn.Module
-    optimizer: torch.optim.Optimizer
-    no_sync: Callable[[], ContextManager[Any]]
-    zero_grad: Callable[[], None]
-    sharded_params: bool = False
-    checkpoint_target: nn.Module | None = None
-    param_names: tuple[str, ...] = ()
-    backward: Callable[[torch.Tensor], None] = _plain_backward
-    step: Callable[[], Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.checkpoint_target is None:
-            self.checkpoint_target = self.module
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What a mode's builder needs besides the model; the same on every rank.
-
-    Attributes:
-        lr: Adam's learning rate.
-        device: the device the model trains on.
-        precision: how parameters are held and reduced (the model is already cast to
-            :attr:`Precision.param_dtype` when the builder sees it).
-        batch_size: sequences per micro-batch per rank (DeepSpeed's config wants it).
-        grad_accum_steps: micro-batches per optimizer step.
-        shard_size: S, ranks per shard group, for the hybrid modes (:attr:`Mode.hybrid`);
-            ``None`` for the others.
-        compile: compile every transformer block in place before the mode wraps the model
-            (Note [--compile in every mode]).
-    """
-
-    lr: float
-    device: torch.device
-    precision: Precision = field(default_factory=Precision)
-    batch_size: int = 1
-    grad_accum_steps: int = 1
-    shard_size: int | None = None
-    compile: bool = False
-
-
-Builder = Callable[[nn.Module, Setup], Wrapped]
 
 
 @dataclass(frozen=True)
@@ -143,6 +73,9 @@ class Mode:
             accelerator at import time).
         hybrid: the mode shards inside groups of :attr:`Setup.shard_size` ranks and
             replicates across them (``--shard-size``; docs/hybrid.md).
+        autocast: the autocast dtype (``"bf16"``) the runner puts the forward under for a mode
+            that is defined by it (``ddp-amp``; Note [offload modes] in
+            :mod:`shardopt.app.offload_modes`); ``None``: only ``--amp`` autocasts.
     """
 
     name: str
@@ -158,6 +91,7 @@ class Mode:
     reduce_dtypes: tuple[str, ...] = ()
     before_import: Callable[[str | None], None] | None = None
     hybrid: bool = False
+    autocast: str | None = None
 
     def wrap(self, module: nn.Module, setup: Setup) -> Wrapped:
         """:attr:`build` after casting ``module`` to the precision's parameter dtype (and,
@@ -234,29 +168,15 @@ class Mode:
 # between compiled and eager runs. docs/compile.md has the recipes for user scripts.
 
 
-def _plain_no_sync() -> ContextManager[Any]:
-    return contextlib.nullcontext()
-
-
-def _ddp(module: nn.Module, setup: Setup) -> DDP:
-    return DDP(module, device_ids=[setup.device] if setup.device.type == "cuda" else None)
-
-
-def _oss(module: nn.Module, setup: Setup, **kwargs: Any) -> OSS:
-    """Adam sharded by OSS; with ``bf16-master`` the owner keeps fp32 masters of its shard."""
-    return OSS(module.parameters(), optim=torch.optim.Adam, master_dtype=setup.precision.master_dtype, lr=setup.lr,
-               **kwargs)
-
-
 def _build_ddp(module: nn.Module, setup: Setup) -> Wrapped:
-    model = _ddp(module, setup)
+    model = ddp_of(module, setup)
     opt = torch.optim.Adam(module.parameters(), lr=setup.lr)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
 def _build_zero1(module: nn.Module, setup: Setup) -> Wrapped:
-    model = _ddp(module, setup)
-    opt = _oss(module, setup)
+    model = ddp_of(module, setup)
+    opt = oss_of(module, setup)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
@@ -268,7 +188,7 @@ def _zero2_builder(split_large_params: bool) -> Builder:
     def build(module: nn.Module, setup: Setup) -> Wrapped:
         from shardopt.nn import ShardedDataParallel
 
-        opt = _oss(module, setup, split_large_params=split_large_params)
+        opt = oss_of(module, setup, split_large_params=split_large_params)
         # reduce_dtype None: fp32 gradients travel in fp32, bf16 ones in the masters' dtype (fp32)
         model = ShardedDataParallel(module, opt, reduce_dtype=setup.precision.wire_dtype)
         return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
@@ -284,8 +204,8 @@ def _layout(setup: Setup) -> HybridLayout:
 
 def _build_zero1_hybrid(module: nn.Module, setup: Setup) -> Wrapped:
     """Hybrid ZeRO-1 (docs/hybrid.md): OSS planned over the shard group, DDP over the world."""
-    opt = _oss(module, setup, group=_layout(setup).shard_group)
-    model = _ddp(module, setup)
+    opt = oss_of(module, setup, group=_layout(setup).shard_group)
+    model = ddp_of(module, setup)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
@@ -301,7 +221,7 @@ def _build_zero2_hybrid(module: nn.Module, setup: Setup) -> Wrapped:
     from shardopt.nn import ShardedDataParallel
 
     layout: dict[str, Any] = {"shard_size": _layout(setup).shard_size}  # checked on every rank first
-    opt = _oss(module, setup, **layout)
+    opt = oss_of(module, setup, **layout)
     model = ShardedDataParallel(module, opt, reduce_dtype=setup.precision.wire_dtype, **layout)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
@@ -321,7 +241,7 @@ def _build_zero3(module: nn.Module, setup: Setup) -> Wrapped:
 def _build_torch_zero(module: nn.Module, setup: Setup) -> Wrapped:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    model = _ddp(module, setup)
+    model = ddp_of(module, setup)
     opt = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.Adam, lr=setup.lr)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
@@ -336,24 +256,6 @@ def _fairscale_builder(set_to_none: bool | None) -> Builder:
         zero_grad: Callable[[], None] = opt.zero_grad if set_to_none is None else (
             lambda: opt.zero_grad(set_to_none=False))
         return Wrapped(model, module, opt, model.no_sync, zero_grad)
-
-    return build
-
-
-def _fsdp2_builder(reshard_after_forward: bool) -> Builder:
-    def build(module: nn.Module, setup: Setup) -> Wrapped:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        # fully_shard's default mesh is on CUDA whenever CUDA exists, which breaks gloo ranks
-        # training on the CPU of a GPU machine: name the device the ranks train on.
-        mesh = init_device_mesh(setup.device.type, (dist.get_world_size(),))
-        for child in getattr(module, "blocks", []):
-            fully_shard(child, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        opt = torch.optim.Adam(module.parameters(), lr=setup.lr)
-        return Wrapped(module, module, opt, _plain_no_sync, lambda: opt.zero_grad(set_to_none=True),
-                       sharded_params=True)
 
     return build
 
@@ -431,12 +333,19 @@ _DEEPSPEED_HINT = "install it with: DS_BUILD_OPS=0 pip install deepspeed"
 _OWN_HINT = "update shardopt to a version that ships it, or pick another mode"
 _BF16 = ("fp32", "bf16")
 _MASTERS = ("fp32", "bf16", "bf16-master")
+_OFFLOAD = ("fp32", "bf16-master")  # a plain bf16 model would step bf16 mirrors on the host: not offered
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("ddp", "torch DDP + Adam (reference)", None, "", _build_ddp, fp16_scaler="torch", precisions=_BF16),
+    Mode("ddp-amp", "torch DDP, fp32 parameters, bf16 autocast forward, fused Adam", None, "", build_ddp_amp,
+         autocast="bf16"),
     Mode("zero1", "DDP + shardopt OSS (ZeRO-1)", None, "", _build_zero1, fp16_scaler="sharded", precisions=_MASTERS),
+    Mode("zero1-offload", "DDP + shardopt OSS(offload='cpu'): masters, grads, Adam state and step on the host", None,
+         "", build_zero1_offload, fp16_scaler="sharded", precisions=_OFFLOAD),
     Mode("zero2", "shardopt OSS + ShardedDataParallel (ZeRO-2), whole parameters", ("shardopt.nn", "ShardedDataParallel"),
          _OWN_HINT, _zero2_builder(False), fp16_scaler="sharded", precisions=_MASTERS, reduce_dtypes=("fp32", "bf16")),
+    Mode("zero2-offload", "shardopt ZeRO-2, whole parameters, OSS(offload='cpu')", ("shardopt.nn", "ShardedDataParallel"),
+         _OWN_HINT, build_zero2_offload, fp16_scaler="sharded", precisions=_OFFLOAD, reduce_dtypes=("fp32", "bf16")),
     Mode("zero2-split", "shardopt ZeRO-2, large parameters split across ranks", ("shardopt.nn", "ShardedDataParallel"),
          _OWN_HINT, _zero2_builder(True), fp16_scaler="sharded", precisions=_MASTERS, reduce_dtypes=("fp32", "bf16")),
     Mode("zero1-hybrid", "DDP + shardopt OSS over shard groups of --shard-size ranks (hybrid ZeRO-1)", None, "",
@@ -453,9 +362,12 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("fairscale-default", "fairscale OSS + ShardedDDP, default zero_grad()", ("fairscale", "__version__"),
          _FAIRSCALE_HINT, _fairscale_builder(None), peer=True, checkpoints=False),
     Mode("fsdp2", "torch fully_shard, reshard_after_forward=False", ("torch.distributed.fsdp", "fully_shard"),
-         "it needs torch >= 2.6", _fsdp2_builder(False), peer=True, sharded_checkpoint=True),
+         "it needs torch >= 2.6", fsdp2_builder(False), peer=True, sharded_checkpoint=True),
     Mode("fsdp2-reshard", "torch fully_shard, reshard_after_forward=True", ("torch.distributed.fsdp", "fully_shard"),
-         "it needs torch >= 2.6", _fsdp2_builder(True), peer=True, sharded_checkpoint=True),
+         "it needs torch >= 2.6", fsdp2_builder(True), peer=True, sharded_checkpoint=True),
+    Mode("fsdp2-offload", "torch fully_shard, CPUOffloadPolicy (shards, grads, Adam on the host)",
+         ("torch.distributed.fsdp", "CPUOffloadPolicy"), "it needs torch >= 2.6", fsdp2_builder(True, offload=True),
+         peer=True, sharded_checkpoint=True),
     Mode("deepspeed-zero2", "DeepSpeed ZeRO-2 engine, bf16 params + fp32 masters, torch Adam",
          ("deepspeed", "initialize"), _DEEPSPEED_HINT, _build_deepspeed_zero2, peer=True, checkpoints=False,
          precisions=("bf16-master",), reduce_dtypes=("fp32", "bf16"), before_import=_deepspeed_accelerator),

@@ -129,6 +129,8 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
     median = statistics.median(r.median_step_s for r in reports if r.median_step_s is not None) \
         if all(r.median_step_s is not None for r in reports) else None
     tokens_s = f"{first.tokens_per_step / median:,.0f}" if median else "n/a"
+    on_gpu = any(r.device_peak is not None for r in reports)
+    offload = any(r.host_state_bytes for r in reports)  # Note [counting offloaded state] in shardopt.app.state_count
     precision = ("" if job.precision.name == "fp32" else f" ({job.precision.describe()})") + (
         ", blocks compiled" if job.compile else "")
     table = Table(title=f"shardopt demo: {job.mode}{precision}, model {job.preset} ({first.num_params / 1e6:.2f}M params), "
@@ -136,11 +138,14 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
                   caption=f"final loss (mean over ranks) {mean_loss:.4f}; {tokens_s} tokens/s; steps "
                           f"{first.start_step}->{job.steps}, statistics over {first.counted_steps} steps after "
                           f"{job.warmup_steps} warm-up; heap is relative to before the model was built"
+                          + (f"; states: model states at the update on the training device and offloaded to the "
+                             f"host{' (CPU ranks: both in host memory, both in the heap)' if not on_gpu else ''}"
+                             if offload else "")
                           + (f"; checkpoint: {job.checkpoint_path}" if job.checkpoint_path else ""))
-    on_gpu = any(r.device_peak is not None for r in reports)
     hybrid = job.shard_size is not None  # bytes by group: Note [bytes per group] in shardopt.app.group_bytes
     for name in ("rank", "heap after step (MiB)", "heap peak (MiB)", *(("GPU peak (MiB)",) if on_gpu else ()),
-                 "sent/step (MiB)", *((f"world / shard ({job.shard_size}) / replicate (MiB)",) if hybrid else ()),
+                 *(("states on device (MiB)", "states on host (MiB)") if offload else ()), "sent/step (MiB)",
+                 *((f"world / shard ({job.shard_size}) / replicate (MiB)",) if hybrid else ()),
                  "median step (ms)", "final loss"):
         table.add_column(name, justify="right")
     for r in reports:
@@ -149,8 +154,9 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
         groups = r.group_bytes_per_step
         by_group = (("n/a" if groups is None else " / ".join(mib(groups[k]) for k in ("world", "shard", "replicate")),)
                     if hybrid else ())
-        table.add_row(str(r.rank), mib(r.heap_after_step), mib(r.heap_peak), *gpu, mib(r.bytes_per_step), *by_group,
-                      step_ms, f"{r.final_loss:.4f}")
+        held = (mib(r.device_state_bytes), mib(r.host_state_bytes)) if offload else ()
+        table.add_row(str(r.rank), mib(r.heap_after_step), mib(r.heap_peak), *gpu, *held, mib(r.bytes_per_step),
+                      *by_group, step_ms, f"{r.final_loss:.4f}")
     return table
 
 

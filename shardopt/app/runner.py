@@ -32,6 +32,7 @@ from shardopt.app.group_bytes import GROUP_KINDS, GroupBytes, ddp_step_bytes
 from shardopt.app.models import PRESETS, CharBatches, build_model, stdlib_corpus
 from shardopt.app.modes import Setup, Wrapped, full_parameters, get_mode, load_optimizer_state
 from shardopt.app.precision import Precision
+from shardopt.app.state_count import StateCount
 from shardopt.memory import MemoryRecorder
 
 __all__ = ["NothingToTrain", "RankReport", "StepInfo", "TrainJob", "check_resumable", "global_batch",
@@ -143,6 +144,12 @@ class RankReport:
             :mod:`shardopt.app.group_bytes`), or ``None`` for peers' modes.
         compiled_graphs: with ``--compile``, the graphs ``torch.compile`` compiled on this
             rank (the blocks of one shape share one), else ``None``.
+        device_state_bytes: model states (parameters, gradients, masters, optimizer state) on
+            the device the rank trains on at the last update, counted from their storages
+            (Note [counting offloaded state] in :mod:`shardopt.app.state_count`); ``None`` for
+            peers' modes other than an offload one.
+        host_state_bytes: the model states the mode offloads to host memory at the last
+            update (0 without offload; ``None`` where not counted).
     """
 
     rank: int
@@ -162,6 +169,8 @@ class RankReport:
     backend: str
     group_bytes_per_step: dict[str, float] | None = None
     compiled_graphs: int | None = None
+    device_state_bytes: int | None = None
+    host_state_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values for JSON."""
@@ -375,8 +384,9 @@ def _resume(job: TrainJob, wrapped: Wrapped, scaler: Any | None) -> int:
 def _one_step(job: TrainJob, wrapped: Wrapped, batches: CharBatches, step: int, scaler: Any | None,
               recorder: MemoryRecorder, device: torch.device) -> float:
     wrapped.zero_grad()
-    autocast = (torch.autocast(device.type, dtype=AMP_DTYPES[job.amp]) if job.amp is not None
-                else contextlib.nullcontext())
+    amp = job.amp or get_mode(job.mode).autocast  # --amp, or a mode defined by autocast (ddp-amp)
+    # the forward and the loss only: backward runs in the dtypes autocast recorded, the step outside it
+    autocast = torch.autocast(device.type, dtype=AMP_DTYPES[amp]) if amp is not None else contextlib.nullcontext()
     loss_value = 0.0
     for micro in range(job.grad_accum_steps):
         tokens, targets = (t.to(device) for t in batches.batch(step, micro))
@@ -439,6 +449,9 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None,
     reason = mode.unavailable(device.type) or mode.refuses(job.precision)  # imports the mode's library: the baseline has it
     if reason is not None:
         raise ValueError(reason)
+    if job.amp is not None and mode.autocast is not None:
+        raise ValueError(f"TrainJob(amp={job.amp!r}) with mode {mode.name!r}, which autocasts in {mode.autocast} "
+                         "itself; keep amp=None")
     recorder = MemoryRecorder()
     recorder.start()
     module = build_model(cfg, seed=job.seed, device=device)
@@ -454,10 +467,14 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None,
         start = _resume(job, wrapped, scaler)
         if start and rank == 0 and on_resume is not None:
             on_resume(start)
+        # after the resume: loading rebuilds OSS's wrapped optimizer (Note [counting offloaded state])
+        states = StateCount(wrapped) if not mode.peer or wrapped.offloaded else None
         # DDP reduces in C++, past shardopt.comm: its bytes are computed (Note [bytes per group]).
         ddp_bytes = ddp_step_bytes(list(wrapped.module.parameters()), world) if isinstance(wrapped.model, DDP) else 0.0
         loss, per_step = _steps(job, wrapped, batches, start, scaler, recorder, device, group_bytes, ddp_bytes,
                                 on_step, faults)
+        if states is not None:
+            states.remove()
     if job.checkpoint_path and job.steps > start:
         _save(job, wrapped, job.steps, scaler, faults)
     if faults is not None:
@@ -479,6 +496,8 @@ def _train(job: TrainJob, on_step: Callable[[StepInfo], None] | None,
         group_bytes_per_step={k: sum(d[k] for d in by_group) / len(by_group) for k in GROUP_KINDS}
         if group_bytes is not None and by_group else None,
         compiled_graphs=_compiled_graphs() if job.compile else None,
+        device_state_bytes=None if states is None else states.device_bytes,
+        host_state_bytes=None if states is None else states.host_bytes,
     )
     if job.params_out is not None:
         params = full_parameters(wrapped)

@@ -1,0 +1,162 @@
+"""The offload modes of ``shardopt bench`` / ``demo`` (Note [offload modes] in
+shardopt.app.offload_modes): each trains end to end on 2 CPU ranks, equals its mode without
+offload bit for bit, resumes from its own checkpoint, and the report splits the model states
+into those on the training device and those offloaded to the host; ``ddp-amp`` autocasts the
+forward in bf16 and steps with torch's fused Adam."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardopt.app.bench import bench_rank
+from shardopt.app.cli import main
+from shardopt.app.launch import run_launched
+from shardopt.app.modes import MODES, Setup, resolve
+from shardopt.app.models import build_model
+from shardopt.app.runner import TrainJob
+from shardopt.testing import run_ranks
+from tests.helpers.cli import TINY, assert_one_line_errors
+
+pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
+
+BENCHED = ("zero1", "zero1-offload", "zero2", "zero2-offload", "zero2-offload-bf16m", "fsdp2-reshard", "fsdp2-offload",
+           "ddp-amp")
+PAIRS = (("zero1-bf16m", "zero1-offload-bf16m"), ("zero2-bf16m", "zero2-offload-bf16m"),
+         ("zero2-bf16m-bf16reduce", "zero2-offload-bf16m-bf16reduce"))
+"""Each mode with fp32 masters and its offloaded form."""
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
+
+
+def _final_params(name: str, tmp_path: Path, steps: int = 4) -> dict[str, torch.Tensor]:
+    mode, precision = resolve(name)
+    out = str(tmp_path / f"{name}.pt")
+    job = TrainJob(mode=mode.name, precision=precision, preset="tiny", steps=steps, batch_size=2, warmup_steps=1,
+                   params_out=out, threads_per_rank=1, device="cpu")
+    run_launched("bench", bench_rank, 2, job)
+    return dict(torch.load(out, weights_only=True))
+
+
+def test_offload_modes_train_bit_for_bit_as_without_offload_and_report_host_state(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--steps", "4", "--warmup-steps", "1", "--modes", ",".join(BENCHED),
+                 "--json", str(out)]) == 0
+    data = _json(out)
+    results = {r["mode"]: r for r in data["results"]}
+    assert list(results) == ["ddp", *BENCHED]
+    psi = data["num_params"]
+    tensors = len(list(build_model("tiny").parameters()))
+    for name, r in results.items():
+        for rank in r["ranks"]:
+            assert rank["heap_after_step"] > 0 and rank["bytes_per_step"] > 0 and rank["counted_steps"] == 3, name
+    # On CPU ranks the offloaded step runs the same torch kernels on the same values: an fp32
+    # parameter's host mirror is its exact copy, the flat step over aligned segments equals the
+    # per-parameter one (Note [aligned segments] in shardopt.optim.flat_masters), the copies to
+    # and from the host are exact, and at 2 ranks in fp32 every one of these modes sums and
+    # halves the two gradients as DDP does. So their parameters are DDP's, bit for bit.
+    for name in ("zero1-offload", "zero2-offload", "fsdp2-offload"):
+        assert results[name]["max_param_diff"] == 0.0, (name, results[name]["max_param_diff"])
+        assert [k["final_loss"] for k in results[name]["ranks"]] == [k["final_loss"] for k in results["ddp"]["ranks"]]
+    # Model states counted after each update (Note [counting offloaded state] in shardopt.app.state_count):
+    # offloaded to the host, 16 bytes per owned element (master or mirror 4, Adam's moments 8, the gradient
+    # buffer kept between steps 4) plus Adam's 4-byte step count per stepped tensor (a flat tensor per rank and
+    # one per unaligned master: at most one per parameter and rank); on the device only the parameters.
+    for name, width in (("zero2-offload", 4), ("zero2-offload-bf16m", 2)):
+        ranks = results[name]["ranks"]
+        assert all(k["device_state_bytes"] == width * psi for k in ranks), (name, ranks)
+        extra = sum(k["host_state_bytes"] for k in ranks) - 16 * psi
+        assert 0 < extra <= 4 * (tensors + 2) and extra % 4 == 0, (name, extra)
+    # ZeRO-1's DDP keeps the gradients of the parameters a rank does not own on the device at the update (the
+    # owned ones were folded into the host buffer)
+    zero1 = results["zero1-offload"]["ranks"]
+    assert sum(k["device_state_bytes"] for k in zero1) == 2 * 4 * psi + 4 * psi
+    assert [k["host_state_bytes"] for k in zero1] == [k["host_state_bytes"] for k in results["zero2-offload"]["ranks"]]
+    # FSDP2 offloads its parameter shards too: nothing between steps on the device, 16 bytes per element of a
+    # rank's shard (shards of the tiny model's even dim-0 sizes need no padding) plus the step counts
+    fsdp2 = results["fsdp2-offload"]["ranks"]
+    assert all(k["device_state_bytes"] == 0 for k in fsdp2)
+    assert all(0 < k["host_state_bytes"] - 16 * psi // 2 <= 4 * tensors for k in fsdp2), fsdp2
+    for name in ("ddp", "zero1", "zero2", "ddp-amp"):  # counted, nothing offloaded
+        assert all(k["host_state_bytes"] == 0 and k["device_state_bytes"] > 0 for k in results[name]["ranks"]), name
+    assert all(k["device_state_bytes"] is None for k in results["fsdp2-reshard"]["ranks"])  # a peer's: not counted
+    assert results["zero2-offload"]["ranks"][0]["device_state_bytes"] < results["zero2"]["ranks"][0][
+        "device_state_bytes"]
+    printed = capfd.readouterr().out
+    caption = " ".join(printed.split())
+    for text in ("states on device / on host = parameters, gradients, masters and optimizer state at the update",
+                 "on CPU ranks (gloo) the device is host memory too"):
+        assert text in caption, text
+
+
+def test_offloaded_masters_train_bit_for_bit_as_masters_on_the_device(tmp_path: Path) -> None:
+    # bf16 parameters with fp32 masters: the master is fp32 with and without offload, and the host step is the
+    # device step on a CPU rank (the same reasoning as above), so the parameters agree exactly
+    for device_mode, offload_mode in PAIRS:
+        on_device, offloaded = _final_params(device_mode, tmp_path), _final_params(offload_mode, tmp_path)
+        assert on_device.keys() == offloaded.keys()
+        assert all(torch.equal(on_device[k], offloaded[k]) for k in on_device), (device_mode, offload_mode)
+        assert all(v.dtype == torch.bfloat16 for v in offloaded.values())
+
+
+def _demo(tmp_path: Path, name: str, *extra: str) -> list[float]:
+    out = tmp_path / f"{name}.json"
+    assert main(["demo", *TINY, "--json", str(out), *extra]) == 0
+    return [r["final_loss"] for r in _json(out)["ranks"]]
+
+
+def test_offload_modes_resume_from_their_own_checkpoints_and_scale_fp16(tmp_path: Path) -> None:
+    for mode in ("zero2-offload", "fsdp2-offload"):
+        ckpt = str(tmp_path / f"ckpt-{mode}")
+        straight = _demo(tmp_path, f"{mode}-straight", "--mode", mode, "--steps", "5")
+        _demo(tmp_path, f"{mode}-first", "--mode", mode, "--steps", "2", "--checkpoint", ckpt)
+        assert _demo(tmp_path, f"{mode}-resumed", "--mode", mode, "--steps", "5", "--checkpoint", ckpt,
+                     "--resume") == straight, mode
+    # fp16 autocast with ShardedGradScaler and accumulation: the offloaded scaler step is the device one
+    fp16 = ("--steps", "3", "--grad-accum", "2", "--amp", "fp16")
+    assert _demo(tmp_path, "zero2-fp16", "--mode", "zero2", *fp16) == _demo(tmp_path, "zero2-offload-fp16", "--mode",
+                                                                            "zero2-offload", *fp16)
+
+
+def test_ddp_amp_autocasts_the_forward_in_bf16_and_steps_with_fused_adam(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    amp = _demo(tmp_path, "ddp-amp", "--mode", "ddp-amp", "--steps", "4")
+    autocast = _demo(tmp_path, "ddp-bf16-autocast", "--mode", "ddp", "--amp", "bf16", "--steps", "4")
+    fp32 = _demo(tmp_path, "ddp", "--mode", "ddp", "--steps", "4")
+    # the same bf16 forward as --amp bf16; fused Adam may round a tensor's tail elements differently from the
+    # for-loop Adam (Note [aligned segments] in shardopt.optim.flat_masters): equal here after 4 steps
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(amp, autocast, strict=True)), (amp, autocast)
+    assert amp != fp32  # the forward ran in bf16
+    assert run_ranks(_ddp_amp_optimizer, 1)[0] == (True, torch.float32)
+    assert_one_line_errors([
+        (["demo", "--mode", "ddp-amp", "--amp", "fp16"],
+         "--amp fp16: mode 'ddp-amp' autocasts its forward in bf16 itself; drop --amp, or use --mode ddp --amp fp16"),
+        (["demo", "--mode", "ddp-amp", "--precision", "bf16"], "mode 'ddp-amp' does not run at precision 'bf16'"),
+        (["demo", "--mode", "zero2-offload", "--precision", "bf16"],
+         "mode 'zero2-offload' does not run at precision 'bf16' (bf16 params); it runs at fp32, bf16-master"),
+    ], capsys)
+    assert run_ranks(_amp_twice, 1)[0] == ("TrainJob(amp='bf16') with mode 'ddp-amp', which autocasts in bf16 itself; "
+                                           "keep amp=None")
+
+
+def _ddp_amp_optimizer(rank: int, world_size: int) -> tuple[bool, torch.dtype]:
+    wrapped = MODES["ddp-amp"].wrap(build_model("tiny"), Setup(1e-3, torch.device("cpu")))
+    return wrapped.optimizer.defaults["fused"], next(wrapped.module.parameters()).dtype
+
+
+def _amp_twice(rank: int, world_size: int) -> str:
+    from shardopt.app.runner import train
+
+    try:
+        train(TrainJob(mode="ddp-amp", amp="bf16", preset="tiny", steps=1, batch_size=2, device="cpu"))
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
