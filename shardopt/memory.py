@@ -4,7 +4,9 @@ Two halves. :func:`estimate_model_states` applies the formulas of the ZeRO paper
 (Rajbhandari et al., 2020, section 3 and Figure 1) to a parameter count, and
 :func:`estimate_plans` puts next to them what the heaviest rank really holds under
 shardopt's ownership plans (whole parameters as OSS plans today, and the row-split plan of
-:func:`shardopt.partition.plan_split`). The measuring half
+:func:`shardopt.partition.plan_split`); :func:`estimate_offload` splits each stage's bytes per
+parameter into those on the device and those in host memory, with and without
+``OSS(offload="cpu")`` (Note [offload bytes per parameter]). The measuring half
 reads what the process really did, for use in any training loop:
 
 - :func:`bytes_sent` reads ``wchar`` from ``/proc/self/io``: every byte this process handed
@@ -42,11 +44,13 @@ __all__ = [
     "MemoryRecorder",
     "ModelStateEstimate",
     "PlanEstimate",
+    "StageBytes",
     "StepRecord",
     "bytes_sent",
     "capabilities",
     "device_memory",
     "estimate_model_states",
+    "estimate_offload",
     "estimate_plans",
     "heap_bytes",
 ]
@@ -298,6 +302,95 @@ def estimate_plans(
     split = plan_split(sizes, rows, world_size, quanta)
     return PlanEstimate(formula, max(whole.rank_bytes) // width, max(split.rank_bytes) // width,
                         whole.imbalance, split.imbalance, len(split.split_params))
+
+
+# Note [offload bytes per parameter]
+# Bytes per parameter of the model one rank holds, N ranks, Adam, P the parameter width (4 in
+# fp32, 2 for bf16 parameters), K the optimizer bytes of the paper (8: two fp32 moments; 12
+# with fp32 masters: master + moments). Without offload everything is on the device (the
+# paper's rows): DDP 2P + K, ZeRO-1 2P + K/N, ZeRO-2 P + (P + K)/N, ZeRO-3 (2P + K)/N.
+# With OSS(offload="cpu") (Note [offloaded masters] in shardopt.optim.masters) the owner's
+# side moves to the host: its masters (fp32 parameters get exact fp32 mirrors, 4 bytes that
+# the run without offload does not have), Adam's moments and the fp32 gradient buffer the
+# step reads, kept between steps, 4 bytes: host (K + 4 + mirror) / N with mirror = 4 in
+# fp32 and 0 with masters, so 16 / N in both precisions. On the device:
+#   ZeRO-1 + offload: 2P, the parameters and DDP's full gradients (after backward; the step
+#     folds the owned ones into the host buffer and frees them);
+#   ZeRO-2 + offload: P, the parameters; gradients are on the device only in flight (autograd's
+#     gradient until its bucket is reduced, and the buckets: a constant, not per parameter),
+#     the owner's reduced share goes to the host as it arrives. Between backward and the step
+#     those reduced gradients wait in host tensors of their own, which the step's fold copies
+#     into the buffer and frees: the host peaks at (K + 8 + mirror) / N = 20 / N there;
+#   ZeRO-3 + offload: shardopt's FullyShardedDataParallel has no offload yet; torch FSDP2's
+#     CPUOffloadPolicy (bench mode fsdp2-offload) keeps the parameter shard, its gradient and
+#     the moments on the host, (K + 4 + mirror) / N again (its fp32 shard plays the mirror or
+#     the master), and on the device only the units it gathers in flight: 0 per parameter.
+# Adam's 0-dim step count adds 4 bytes per stepped tensor (one flat tensor per param group and
+# one per unaligned master: Note [flat masters] in shardopt.optim.flat_masters), and a real
+# plan replaces Psi / N by what the rank owns (Note [the formula and the plan]).
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """One stage's bytes per model parameter on one rank, on the device and on the host
+    (Note [offload bytes per parameter]); multiply by the parameter count for bytes per rank.
+
+    Attributes:
+        stage: ``"DDP"``, ``"ZeRO-1"``, ``"ZeRO-2"`` or ``"ZeRO-3"``.
+        offload: whether the optimizer's side is offloaded to host memory.
+        device: bytes per parameter on the device the rank trains on.
+        host: bytes per parameter in host memory at the update.
+        host_peak: the most bytes per parameter in host memory during a step (``host`` but for
+            ZeRO-2, whose reduced gradients wait in host tensors of their own until the step).
+        world_size: N.
+    """
+
+    stage: str
+    offload: bool
+    device: float
+    host: float
+    host_peak: float
+    world_size: int
+
+    def as_dict(self) -> dict[str, float | int | str | bool]:
+        """Plain values for JSON."""
+        return {"stage": self.stage, "offload": self.offload, "device_bytes_per_param": self.device,
+                "host_bytes_per_param": self.host, "host_peak_bytes_per_param": self.host_peak,
+                "world_size": self.world_size}
+
+
+def estimate_offload(world_size: int, mixed_precision: bool = True,
+                     optimizer_bytes_per_param: float | None = None) -> tuple[StageBytes, ...]:
+    """Device and host bytes per parameter for DDP and ZeRO-1/2/3, with and without offload.
+
+    How it works: Note [offload bytes per parameter]; the rows without offload are the ZeRO
+    paper's (:func:`estimate_model_states`). Example: ZeRO-2 with bf16 parameters, fp32 masters
+    and Adam on 8 ranks holds 2 + 16/8 = 4 bytes per parameter on the device without offload,
+    and with it 2 on the device and 16/8 = 2 on the host.
+
+    Args:
+        world_size: data-parallel ranks (N).
+        mixed_precision: bf16 parameters with fp32 masters (default K=12), else fp32 (K=8).
+        optimizer_bytes_per_param: K, overriding the default for the precision.
+
+    Returns:
+        DDP, ZeRO-1, ZeRO-1 + offload, ZeRO-2, ZeRO-2 + offload, ZeRO-3, ZeRO-3 + offload.
+
+    Raises:
+        ValueError: as :func:`estimate_model_states`.
+    """
+    est = estimate_model_states(1, world_size, mixed_precision, optimizer_bytes_per_param)
+    p, k, n = est.param_bytes, est.optimizer_bytes_per_param, est.world_size
+    host = (k + 4 + (0 if mixed_precision else 4)) / n
+    return (
+        StageBytes("DDP", False, 2 * p + k, 0.0, 0.0, n),
+        StageBytes("ZeRO-1", False, 2 * p + k / n, 0.0, 0.0, n),
+        StageBytes("ZeRO-1", True, 2 * p, host, host, n),
+        StageBytes("ZeRO-2", False, p + (p + k) / n, 0.0, 0.0, n),
+        StageBytes("ZeRO-2", True, p, host, host + 4 / n, n),
+        StageBytes("ZeRO-3", False, (2 * p + k) / n, 0.0, 0.0, n),
+        StageBytes("ZeRO-3", True, 0.0, host, host, n),
+    )
 
 
 # ---------------------------------------------------------------------- measuring

@@ -160,3 +160,115 @@ def _amp_twice(rank: int, world_size: int) -> str:
         return str(exc)
     return "accepted"
 
+
+
+def test_estimate_offload_shows_device_and_host_bytes_per_parameter(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--params", "7.5e9", "--world-size", "64", "--offload", "cpu", "--json", str(out)]) == 0
+    data = _json(out)
+    psi = data["num_params"]
+    rows = {(r["stage"], r["offload"]): r for r in data["offload"]}
+    # bf16 parameters + fp32 masters + Adam (Note [offload bytes per parameter] in shardopt.memory)
+    assert [(r["device_bytes_per_param"], r["host_bytes_per_param"], r["host_peak_bytes_per_param"])
+            for r in data["offload"]] == [(16, 0, 0), (4 + 12 / 64, 0, 0), (4, 16 / 64, 16 / 64), (2 + 14 / 64, 0, 0),
+                                          (2, 16 / 64, 20 / 64), (16 / 64, 0, 0), (0, 16 / 64, 16 / 64)]
+    # the rows without offload are the paper's
+    assert [rows[(s, False)]["device_bytes"] for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")] == [
+        data[k] for k in ("ddp_bytes", "stage1_bytes", "stage2_bytes", "stage3_bytes")]
+    assert rows[("ZeRO-2", True)]["bench_mode"] == "zero2-offload-bf16m" and rows[("ZeRO-2", True)][
+        "host_bytes"] == 16 * psi / 64
+    printed = " ".join(capsys.readouterr().out.split())
+    for text in ("device and host memory, 64 ranks, bf16 params + fp32 masters, Adam: without and with offload",
+                 "zero2-offload-bf16m", "ZeRO-3 + offload is torch FSDP2's CPUOffloadPolicy"):
+        assert text in printed, text
+    assert main(["estimate", "--params", "1e9", "--world-size", "8", "--fp32", "--offload", "cpu", "--json",
+                 str(out)]) == 0
+    rows = {(r["stage"], r["offload"]): r for r in _json(out)["offload"]}
+    # fp32: the host keeps a 4-byte mirror besides Adam's 8 and the 4-byte gradient buffer
+    assert (rows[("ZeRO-2", True)]["device_bytes_per_param"], rows[("ZeRO-2", True)]["host_bytes_per_param"]) == (4, 2)
+    assert rows[("ZeRO-3", True)]["bench_mode"] == "fsdp2-offload" and rows[("ZeRO-1", True)]["device_bytes"] == 8e9
+    assert main(["estimate", "--params", "1e9", "--world-size", "8", "--json", str(out)]) == 0
+    assert _json(out)["offload"] is None
+    assert_one_line_errors([(["estimate", "--params", "1e9", "--world-size", "8", "--offload", "nvme"],
+                             "argument --offload: invalid choice: 'nvme'")], capsys)
+
+
+def _offloaded_bytes(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    """Host and device model-state bytes of OSS(offload="cpu") at the update (counted as the bench
+    counts them) and the ZeRO-2 host bytes between backward and the step, with what this rank owns."""
+    import weakref
+
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from shardopt.app.state_count import count_states
+    from shardopt.nn import ShardedDataParallel
+    from shardopt.optim import OSS
+
+    out: dict[str, dict[str, int]] = {}
+    for stage in ("zero1", "zero2"):
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)  # aligned weights, unaligned biases (stepped as views), one split 64x64 weight
+            model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48),
+                                  nn.ReLU(), nn.Linear(48, 4)).to(dtype)
+            opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3, offload="cpu",
+                      master_dtype=torch.float32 if dtype != torch.float32 else None)
+            wrapped: nn.Module = DDP(model) if stage == "zero1" else ShardedDataParallel(model, opt)
+            masters = [m for m in (opt.master_of(p) for p in opt.params) if m is not None]
+            at_update: list[tuple[int, int]] = []
+            buffer: list[Any] = []
+
+            def counted(*_: object, wrapped: nn.Module = wrapped, opt: OSS = opt, masters: list[Any] = masters,
+                        at_update: list[tuple[int, int]] = at_update, buffer: list[Any] = buffer) -> None:
+                at_update.append(count_states([wrapped], opt, True))
+                grad = masters[0].grad  # a view of the gradient buffer, which OSS keeps for the next step
+                buffer[:] = [weakref.ref(grad), grad.untyped_storage().data_ptr(), grad.untyped_storage().nbytes()]
+
+            handle = opt.optim.register_step_post_hook(counted)
+            torch.manual_seed(1 + rank)
+            for step in range(3):
+                opt.zero_grad()
+                wrapped(torch.randn(16, 8, dtype=dtype)).float().square().mean().backward()
+                if step == 2:  # between backward and the step: what the host holds besides the kept buffer
+                    waiting = {m.grad.untyped_storage().data_ptr(): m.grad.untyped_storage().nbytes()
+                               for m in masters if m.grad is not None}
+                opt.step()
+            handle.remove()
+            stepped = len([p for g in opt.optim.param_groups for p in g["params"]])
+            alive = buffer[0]() is not None and buffer[1] not in waiting
+            out[f"{stage}/{dtype}"] = {
+                "device": at_update[-1][0], "host": at_update[-1][1], "owned": sum(m.numel() for m in masters),
+                "stepped": stepped, "psi": sum(p.numel() for p in model.parameters()),
+                "not_owned": sum(p.numel() for p in opt.params if opt.owned_rows(p) is None),
+                "waiting": sum(waiting.values()), "buffer": buffer[2] if alive else 0}
+    return out
+
+
+def test_offloaded_host_bytes_measured_at_two_ranks_equal_the_formula() -> None:
+    from shardopt.memory import estimate_offload
+
+    ranks = run_ranks(_offloaded_bytes, 2, timeout_s=300)
+    for key in ranks[0]:
+        stage, dtype = key.split("/")
+        mixed = dtype == "torch.bfloat16"
+        formula = {(r.stage, r.offload): r for r in estimate_offload(2, mixed_precision=mixed)}
+        row = formula[("ZeRO-1" if stage == "zero1" else "ZeRO-2", True)]
+        per_owned = row.host * 2  # the formula's Psi / N replaced by what the rank owns (Note [the formula and the plan])
+        assert per_owned == 16
+        psi = ranks[0][key]["psi"]
+        assert sum(r[key]["owned"] for r in ranks) == psi, key
+        for r in ranks:
+            # exactly the formula, plus Adam's 4-byte step count per stepped tensor (not in the formula)
+            assert r[key]["host"] == per_owned * r[key]["owned"] + 4 * r[key]["stepped"], (key, r[key])
+            width = 2 if mixed else 4
+            if stage == "zero2":  # the parameters only, and none of the gradients, stay on the device
+                assert r[key]["device"] == row.device * psi == width * psi, (key, r[key])
+                # before the step the reduced gradients wait on the host beside the kept buffer: the formula's
+                # host peak is 4 bytes per owned element above the update's (on CPU ranks they are views of the
+                # received reduction, a few elements more than the rank owns)
+                assert r[key]["buffer"] == 4 * r[key]["owned"], (key, r[key])
+                assert r[key]["waiting"] >= (row.host_peak - row.host) * 2 * r[key]["owned"], (key, r[key])
+            else:  # the parameters, and DDP's gradients of the parameters this rank owns no rows of (the step
+                # folded the others, whole, into the host buffer and freed them; the formula counts all: after backward)
+                assert r[key]["device"] == width * (psi + r[key]["not_owned"]), (key, r[key])

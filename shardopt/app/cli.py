@@ -60,8 +60,8 @@ EXAMPLES = {
         ("shardopt estimate --params 7.5e9 --world-size 64", "the ZeRO paper's example: 120 / 31.4 / 16.6 / 1.9 GB"),
         ("shardopt estimate --model llama3-8b --world-size 64 --measure --plot llama.png",
          "the heaviest rank of the real plan, whole and split, measured for N = 1 to 1024 under torch's fake group"),
-        ("shardopt estimate --hf-config path/to/config.json --world-size 8 --fp32 --json -",
-         "a Hugging Face model's shapes, fp32 Adam"),
+        ("shardopt estimate --hf-config path/to/config.json --world-size 8 --fp32 --offload cpu --json -",
+         "a Hugging Face model's shapes, fp32 Adam, device and host bytes with and without offload"),
     ),
     "rehearse": REHEARSE_EXAMPLES,
     "convert": (
@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "--world-size")
     est.add_argument("--fp32", action="store_true", help="fp32 params/grads (default: mixed precision: bf16 "
                      "params with fp32 masters, as --precision bf16-master)")
+    est.add_argument("--offload", choices=["cpu"], default=None,
+                     help="also show each stage's bytes per parameter on the device and in host memory, without and "
+                     "with OSS(offload='cpu') (masters, Adam state and the gradient buffer on the host; docs/memory.md)")
     est.add_argument("--optimizer-bytes", type=_non_negative_float, default=None,
                      help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
     est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON; - writes it to "

@@ -1,7 +1,9 @@
 """``shardopt estimate``: model-state bytes per rank by the ZeRO paper's formulas, on the
 heaviest rank of shardopt's real ownership plans when the shapes are known, and with
 ``--shard-size S`` for hybrid sharding (optimizer and gradient shards planned over the S
-ranks of a shard group, so 1/S of the model per rank instead of 1/N)."""
+ranks of a shard group, so 1/S of the model per rank instead of 1/N), and with ``--offload cpu``
+the bytes per parameter on the device and in host memory with and without offload (Note
+[offload bytes per parameter] in :mod:`shardopt.memory`)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import torch
 
 from shardopt.app.measure import check_measure_args, measure_for_args
 from shardopt.app.models import PRESETS, GPT
-from shardopt.app.render import (JSON_TO_STDOUT, estimate_rows, hybrid_rows, measured_rows,
-                                 render_estimate, render_hybrid, render_plan, write_json)
+from shardopt.app.render import (JSON_TO_STDOUT, estimate_rows, hybrid_rows, measured_rows, offload_rows,
+                                 render_estimate, render_hybrid, render_offload, render_plan, write_json)
 from shardopt.app.shapes import SHAPE_PRESETS, read_hf_config
 from shardopt.app.usage import check_writable, fail
 from shardopt.hybrid import plan_tiling
-from shardopt.memory import ModelStateEstimate, PlanEstimate, estimate_model_states, estimate_plans
+from shardopt.memory import ModelStateEstimate, PlanEstimate, estimate_model_states, estimate_offload, estimate_plans
 
 __all__ = ["load_factory", "run_estimate"]
 
@@ -113,6 +115,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         render_plan(plan, stderr=stderr)
     if hybrid is not None:
         render_hybrid(est, *hybrid, stderr=stderr)
+    offload = None if args.offload is None else estimate_offload(args.world_size, not args.fp32, args.optimizer_bytes)
+    if offload is not None:
+        render_offload(offload, est.num_params, not args.fp32, stderr=stderr)
     measured = None if to_measure is None else measure_for_args(to_measure, args, stderr=stderr)
     if args.plot:
         from shardopt.app.estimate_plot import plot_estimate
@@ -127,5 +132,6 @@ def run_estimate(args: argparse.Namespace) -> int:
             "hybrid": None if hybrid is None else {"shard_size": args.shard_size,
                                                    "num_replicas": args.world_size // args.shard_size,
                                                    "rows": hybrid_rows(est, *hybrid)},
-            "measured": None if measured is None else measured_rows(measured)})
+            "measured": None if measured is None else measured_rows(measured),
+            "offload": None if offload is None else offload_rows(offload, est.num_params, not args.fp32)})
     return 0

@@ -28,14 +28,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardopt.app import runner
 from shardopt.files import atomic_write
-from shardopt.memory import GB, ModelStateEstimate, PlanEstimate, capabilities
+from shardopt.memory import GB, ModelStateEstimate, PlanEstimate, StageBytes, capabilities
 
 if TYPE_CHECKING:  # the measurement (and torch's fake group) loads only with estimate --measure
     from shardopt.app.measure import Measurement
 
 __all__ = ["JSON_TO_STDOUT", "demo_rank", "demo_table", "estimate_rows", "hybrid_rows", "machine_info",
-           "measured_rows", "mib", "render_estimate", "render_hybrid", "render_measured", "render_plan",
-           "stdout_kept_for_json", "write_json"]
+           "measured_rows", "mib", "offload_rows", "render_estimate", "render_hybrid", "render_measured",
+           "render_offload", "render_plan", "stdout_kept_for_json", "write_json"]
 
 JSON_TO_STDOUT = "-"
 """``--json -``: the JSON goes to standard output, and everything else to standard error."""
@@ -410,6 +410,69 @@ def render_hybrid(flat: ModelStateEstimate, hybrid: ModelStateEstimate, plan: Pl
         step = (_gb(row["at_step_bytes"]),) if mixed else ()
         table.add_row(row["stage"], row["layout"], row["plan"], f"{row['sharded_fraction']:.4f}", _gb(row["bytes"]),
                       *step, f"{row['vs_flat']:.3f}x")
+    console = Console(stderr=stderr)
+    (console if console.is_terminal else Console(width=160, stderr=stderr)).print(table)
+
+
+# (stage, offloaded) -> the bench mode that holds it, per precision (None: no such mode)
+_OFFLOAD_MODES: dict[str, dict[tuple[str, bool], str | None]] = {
+    "mixed": {("DDP", False): None, ("ZeRO-1", False): "zero1-bf16m", ("ZeRO-1", True): "zero1-offload-bf16m",
+              ("ZeRO-2", False): "zero2-bf16m", ("ZeRO-2", True): "zero2-offload-bf16m", ("ZeRO-3", False): None,
+              ("ZeRO-3", True): None},
+    "fp32": {("DDP", False): "ddp", ("ZeRO-1", False): "zero1", ("ZeRO-1", True): "zero1-offload",
+             ("ZeRO-2", False): "zero2", ("ZeRO-2", True): "zero2-offload", ("ZeRO-3", False): "zero3",
+             ("ZeRO-3", True): "fsdp2-offload"},
+}
+
+
+def offload_rows(rows: Sequence[StageBytes], num_params: int, mixed: bool) -> list[dict[str, Any]]:
+    """:func:`~shardopt.memory.estimate_offload`'s rows as plain values, with bytes per rank for
+    ``num_params`` parameters and the bench mode of each (``None`` where there is none).
+
+    Args:
+        rows: the stages.
+        num_params: the model's parameters.
+        mixed: bf16 parameters with fp32 masters (else fp32).
+
+    Returns:
+        One dict per stage: its :meth:`~shardopt.memory.StageBytes.as_dict`, ``bench_mode``,
+        ``device_bytes``, ``host_bytes`` and ``host_peak_bytes``.
+    """
+    modes = _OFFLOAD_MODES["mixed" if mixed else "fp32"]
+    return [{**r.as_dict(), "bench_mode": modes[(r.stage, r.offload)], "device_bytes": r.device * num_params,
+             "host_bytes": r.host * num_params, "host_peak_bytes": r.host_peak * num_params} for r in rows]
+
+
+def render_offload(rows: Sequence[StageBytes], num_params: int, mixed: bool, stderr: bool = False) -> None:
+    """Print device and host bytes per parameter and per rank for each stage, with and without
+    offload (``shardopt estimate --offload cpu``; Note [offload bytes per parameter] in
+    :mod:`shardopt.memory`).
+
+    Args:
+        rows: :func:`~shardopt.memory.estimate_offload`'s stages.
+        num_params: the model's parameters.
+        mixed: bf16 parameters with fp32 masters (else fp32).
+        stderr: print on standard error.
+    """
+    n = rows[0].world_size
+    table = Table(title=f"device and host memory, {n} ranks, {'bf16 params + fp32 masters' if mixed else 'fp32'}, "
+                        "Adam: without and with offload",
+                  caption="B/param = bytes per parameter of the model on one rank; offload cpu: OSS(offload='cpu') "
+                          "keeps the owner's masters (fp32 parameters: exact fp32 mirrors), Adam's moments and the "
+                          "fp32 gradient buffer in host memory and steps there; device: ZeRO-1 counts DDP's full "
+                          "gradients, ZeRO-2 no gradients (only in flight: autograd's until its bucket is reduced, "
+                          "and the buckets, a constant); host peak: ZeRO-2's reduced gradients wait in host tensors "
+                          "of their own until the step; ZeRO-3 + offload is torch FSDP2's CPUOffloadPolicy (shardopt's "
+                          "ZeRO-3 has no offload yet), the units it gathers not counted; Adam's step counts (4 bytes "
+                          "per stepped tensor) not counted; docs/memory.md")
+    for name in ("stage", "offload", "bench mode"):
+        table.add_column(name, no_wrap=True)
+    for name in ("device B/param", "host B/param", "host peak B/param", "device GB/rank", "host GB/rank"):
+        table.add_column(name, justify="right")
+    for row in offload_rows(rows, num_params, mixed):
+        table.add_row(row["stage"], "cpu" if row["offload"] else "-", row["bench_mode"] or "-",
+                      f"{row['device_bytes_per_param']:.4g}", f"{row['host_bytes_per_param']:.4g}",
+                      f"{row['host_peak_bytes_per_param']:.4g}", _gb(row["device_bytes"]), _gb(row["host_bytes"]))
     console = Console(stderr=stderr)
     (console if console.is_terminal else Console(width=160, stderr=stderr)).print(table)
 
