@@ -7,6 +7,7 @@ forward in bf16 and steps with torch's fused Adam."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -113,10 +114,14 @@ def _demo(tmp_path: Path, name: str, *extra: str) -> list[float]:
 
 
 def test_offload_modes_resume_from_their_own_checkpoints_and_scale_fp16(tmp_path: Path) -> None:
-    for mode in ("zero2-offload", "fsdp2-offload"):
+    for mode in ("zero2-offload", "fsdp2-offload", "ddp-amp"):
         ckpt = str(tmp_path / f"ckpt-{mode}")
         straight = _demo(tmp_path, f"{mode}-straight", "--mode", mode, "--steps", "5")
         _demo(tmp_path, f"{mode}-first", "--mode", mode, "--steps", "2", "--checkpoint", ckpt)
+        if mode == "zero2-offload":  # the same consolidated file as zero2's (mirrors are never saved)
+            shutil.copyfile(ckpt, ckpt + "-zero2")
+            assert _demo(tmp_path, "zero2-from-offload", "--mode", "zero2", "--steps", "5", "--checkpoint",
+                         ckpt + "-zero2", "--resume") == straight
         assert _demo(tmp_path, f"{mode}-resumed", "--mode", mode, "--steps", "5", "--checkpoint", ckpt,
                      "--resume") == straight, mode
     # fp16 autocast with ShardedGradScaler and accumulation: the offloaded scaler step is the device one
