@@ -26,6 +26,7 @@ from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
 from tests.helpers.masters import loss_of
+from tests.helpers.kernels import optimizer_kernels
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
@@ -185,3 +186,33 @@ def test_bad_offload_values_and_ranks_that_disagree_are_clear_errors() -> None:
         assert "got 'gpu'" in r["'gpu'"] and "pass offload='cpu'" in r["'gpu'"]
         assert "got True" in r["True"]
         assert "offload" in r["disagree"] and "same OSS arguments on every rank" in r["disagree"], r["disagree"]
+
+
+def _kernel_counts(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+    """The wrapped optimizer's aten calls per step over an fp32 model of 8 and of 64 layers,
+    with offload (host mirrors stepped as one flat tensor) and without (one tensor per
+    parameter: the control, which shows that the counter sees per-parameter work)."""
+    out: dict[str, tuple[int, int]] = {}
+    for name, kwargs in (("adamw/default", {}), ("adamw/foreach", {"foreach": True}), ("adamw/fused", {"fused": True})):
+        for layers in (8, 64):
+            counts = []
+            for offload in ("cpu", None):
+                torch.manual_seed(0)
+                model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(layers)])
+                opt = OSS(model.parameters(), optim=torch.optim.AdamW, offload=offload, **ADAMW, **kwargs)
+                for _ in range(3):  # the first step creates the state
+                    opt.zero_grad()
+                    model(torch.randn(4, 64)).pow(2).mean().backward()
+                    count = optimizer_kernels(opt.step, torch.optim.AdamW)
+                counts.append(count)
+            out[f"{name}/{layers}"] = (counts[0], counts[1])
+    return out
+
+
+def test_host_optimizer_kernels_per_step_do_not_grow_with_the_number_of_parameters() -> None:
+    counts = run_ranks(_kernel_counts, 1, timeout_s=180)[0]
+    print(f"\nhost optimizer aten calls per step (offload, without): {counts}")
+    for name in ("adamw/default", "adamw/foreach", "adamw/fused"):
+        (off8, dev8), (off64, dev64) = counts[f"{name}/8"], counts[f"{name}/64"]
+        assert off8 == off64 > 0, (name, off8, off64)
+        assert dev64 > dev8 and dev64 > off64, (name, dev8, dev64)  # the counter sees per-tensor work
