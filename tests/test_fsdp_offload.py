@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
 
+from shardopt import grad_norms
 from shardopt.nn.fsdp import CPUOffload, MixedPrecision, ModuleClassPolicy, ShardingStrategy
 from shardopt.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardopt.testing import run_ranks
@@ -54,9 +56,9 @@ def _offloaded_on_host(model: nn.Module) -> bool:
     return True
 
 
-def _build(strategy: ShardingStrategy, precision: str, offload: bool, seed: int = 0) -> FSDP:
+def _build(strategy: ShardingStrategy, precision: str, offload: bool, seed: int = 0, **kwargs: Any) -> FSDP:
     return FSDP(gpt(seed=seed), sharding_strategy=strategy, auto_wrap_policy=BLOCKS,
-                mixed_precision=PRECISIONS[precision], cpu_offload=OFFLOAD if offload else None)
+                mixed_precision=PRECISIONS[precision], cpu_offload=OFFLOAD if offload else None, **kwargs)
 
 
 def _train_step(model: FSDP, opt: torch.optim.Optimizer, rank: int, step: int) -> float:
@@ -75,8 +77,9 @@ def _train_step(model: FSDP, opt: torch.optim.Optimizer, rank: int, step: int) -
     return norm.item()
 
 
-def _train(rank: int, strategy: ShardingStrategy, precision: str, offload: bool, steps: int) -> dict[str, Any]:
-    model = _build(strategy, precision, offload)
+def _train(rank: int, strategy: ShardingStrategy, precision: str, offload: bool, steps: int,
+           **kwargs: Any) -> dict[str, Any]:
+    model = _build(strategy, precision, offload, **kwargs)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     on_host = not offload or _offloaded_on_host(model)
     norms = []
@@ -90,6 +93,7 @@ def _train(rank: int, strategy: ShardingStrategy, precision: str, offload: bool,
     toks = tokens(rank, 99)
     opt.zero_grad()
     lm_loss(model(toks), toks).backward()
+    by_name = grad_norms(model)
     with model.summon_full_params(with_grads=True, writeback=False):
         summoned = [t.detach().clone() for p in model.parameters() for t in (p, p.grad) if t is not None]
     with model.summon_full_params(writeback=True):  # a write inside the context reaches the shards
@@ -100,7 +104,8 @@ def _train(rank: int, strategy: ShardingStrategy, precision: str, offload: bool,
         "model": model.state_dict(),
         "optim": FSDP.full_optim_state_dict(model, opt, rank0_only=False),
         "sharded": [_local(v) for v in model.sharded_state_dict().values()],
-        "norms": norms, "summoned": summoned, "on_host": on_host, "state_on_host": state_on_host,
+        "norms": norms, "grad_norms": list(by_name.values()), "summoned": summoned,
+        "on_host": on_host, "state_on_host": state_on_host,
     }
 
 
@@ -128,6 +133,7 @@ def _offload_parity(rank: int, world_size: int) -> dict[str, Any]:
                 max_abs_diff(_flat_optim(plain["optim"]), _flat_optim(offloaded["optim"])),
                 max_abs_diff(plain["sharded"], offloaded["sharded"]),
                 max_abs_diff(plain["summoned"], offloaded["summoned"]),
+                max_abs_diff(plain["grad_norms"], offloaded["grad_norms"]),
                 max(abs(a - b) for a, b in zip(plain["norms"], offloaded["norms"], strict=True)),
             )
             assert list(plain["model"]) == list(offloaded["model"])
@@ -156,6 +162,30 @@ def test_offloaded_training_equals_the_same_run_without_offload_bit_for_bit(worl
         flags = {k: v for k, v in out.items() if isinstance(v, bool)}
         assert diffs and max(diffs.values()) == 0.0, diffs
         assert flags and all(flags.values()), flags
+
+
+def _hybrid(rank: int, world_size: int) -> dict[str, Any]:
+    """HYBRID_SHARD over 2 groups of 2: the replicas' all-reduce runs before the download."""
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pair = (shard_groups[rank // 2], replicate_groups[rank % 2])
+    out: dict[str, Any] = {}
+    for precision in PRECISIONS:
+        runs = [_train(rank, ShardingStrategy.HYBRID_SHARD, precision, offload, 4, process_group=pair)
+                for offload in (False, True)]
+        out[precision] = max(
+            max_abs_diff(runs[0]["model"].values(), runs[1]["model"].values()),
+            max_abs_diff(_flat_optim(runs[0]["optim"]), _flat_optim(runs[1]["optim"])),
+            max_abs_diff(runs[0]["summoned"], runs[1]["summoned"]),
+            max(abs(a - b) for a, b in zip(runs[0]["norms"], runs[1]["norms"], strict=True)),
+        )
+        out[f"{precision}/on_host"] = runs[1]["on_host"] and runs[1]["state_on_host"]
+    return out
+
+
+def test_hybrid_shard_with_offload_equals_the_same_run_without_bit_for_bit() -> None:
+    for out in run_ranks(_hybrid, 4, timeout_s=300):
+        assert out["fp32"] == out["bf16"] == 0.0 and out["fp32/on_host"] and out["bf16/on_host"], out
 
 
 def _resume(rank: int, world_size: int, folder: str) -> dict[str, float]:
