@@ -34,10 +34,11 @@ them; an event marks the last one. Downloads run on a side stream ``D`` of the u
 referenced by the record until ``S0`` has waited for ``done`` (when the next download is
 made: :meth:`PendingDownload.release_source`) or the host has (when it lands), so no block
 returns to the allocator while ``D`` may still read it, without ``record_stream``. Landing
-makes the host wait for ``done`` (``Event.synchronize``): the one host wait per backward
-that offloading needs, since the optimizer reads the gradients on the host next; it covers
-every upload queued before the last download, and the uploads after it (a frozen unit's)
-are waited for there too. Other accelerators, and the CPU, copy synchronously.
+makes the host wait for ``done`` (``Event.synchronize``, every record in turn, so in effect
+until the last copy is done): the one host wait per backward that offloading needs, since
+the optimizer reads the gradients on the host next (torch FSDP1 synchronises its stream
+there). It covers every upload queued before the last download; uploads after it (a frozen
+unit's) are waited for there too (:meth:`HostShard.settle`). Other accelerators, and the CPU, copy synchronously.
 
 A host write to the shard while an upload may still read it would race: after a backward
 (landed) nothing is pending, :meth:`HostShard.settle` runs before ``load_sharded_state_dict``
@@ -85,14 +86,12 @@ class PendingDownload:
         done: the CUDA event recorded after the copy on the side stream, else ``None``.
         stream: the stream ``source`` was allocated on (CUDA), which waits for ``done``
             before ``source`` is released.
-        landed: whether :meth:`land` ran.
     """
 
     grads: list[tuple[nn.Parameter, torch.Tensor]]
     source: torch.Tensor | None = None
     done: Any = None
     stream: Any = None
-    landed: bool = False
 
     def release_source(self) -> None:
         """Let the allocator have the device buffer back once the copy has read it: the
@@ -102,19 +101,14 @@ class PendingDownload:
         self.source = None
 
     def land(self) -> None:
-        """Wait for the copy (the host waits on CUDA), then give every parameter its rows.
-
-        Raises:
-            AssertionError: landed twice (an internal ordering bug).
-        """
-        if self.landed:
-            raise AssertionError("a gradient download landed twice")
+        """Wait for the copy (the host waits on CUDA), then give every parameter its rows;
+        once (the step context pops the record first)."""
         if self.done is not None:
-            self.done.synchronize()  # Note [offloaded shards]: the one host wait per backward
+            self.done.synchronize()  # Note [offloaded shards]: the host's wait at the end of backward
         self.source = None
         for param, piece in self.grads:
             land_grad(param, piece)
-        self.grads, self.landed = [], True
+        self.grads = []
 
 
 class HostShard:
