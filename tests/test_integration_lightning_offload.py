@@ -25,6 +25,7 @@ L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from shardopt.integrations.lightning import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy  # noqa: E402
+from shardopt.optim import OSS  # noqa: E402
 from shardopt.testing import run_ranks  # noqa: E402
 from tests.helpers.data import max_abs_diff  # noqa: E402
 from tests.helpers.lightning import TinyRegressor  # noqa: E402
@@ -148,3 +149,29 @@ def test_offload_options_are_checked_when_the_strategy_is_built() -> None:
     with pytest.raises(ValueError, match=r"ZeRO2Strategy\(offload='cpu'\) disagrees with oss_kwargs=\{'offload': "
                                          r"None\}; pass offload once, as ZeRO2Strategy\(offload=...\)"):
         ZeRO2Strategy(offload="cpu", oss_kwargs={"offload": None})
+
+
+class _ReturnsOSS(Tiny):
+    def configure_optimizers(self) -> Any:
+        return OSS(self.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+
+
+def _given_oss(rank: int, world_size: int, tmp: str) -> str:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ZeRO2Strategy(offload="cpu"), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp)
+    try:
+        trainer.fit(_ReturnsOSS(), DataLoader(_data(), batch_size=4))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_an_oss_returned_without_the_strategys_offload_is_refused() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (message,) = run_ranks(_given_oss, 1, tmp)
+    assert message.startswith("ZeRO2Strategy(offload='cpu') got an OSS built with offload=None, which is used as it "
+                              "was built; build it with OSS(..., offload='cpu'), or hand over a plain torch.optim "
+                              "optimizer"), message

@@ -92,7 +92,7 @@ from shardopt.integrations.lightning_precision import (
     sharded_scaler,
     unwrap_optimizer,
 )
-from shardopt.integrations.offload import refuse_zero3_offload, resolve_offload
+from shardopt.integrations.offload import check_given_oss, refuse_zero3_offload, resolve_offload
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardopt.nn import MixedPrecision as FSDPMixedPrecision
 from shardopt.optim import OSS
@@ -266,7 +266,8 @@ class _OSSStrategy(_ShardedStrategy):
 
         Raises:
             ValueError: an optimizer cannot be sharded (see :func:`~shardopt.integrations.
-                convert.to_oss`), or a scheduler cannot be rebound.
+                convert.to_oss`), a scheduler cannot be rebound, or an OSS returned by
+                ``configure_optimizers`` lacks the strategy's ``offload``.
         """
         super().setup_optimizers(trainer)
         converted = []
@@ -276,6 +277,7 @@ class _OSSStrategy(_ShardedStrategy):
                 converted.append(optimizer)
                 continue
             oss = to_oss(optimizer, **self._oss_options())
+            check_given_oss(oss, self.offload, type(self).__name__)  # to_oss keeps an OSS as it is
             for config in self.lr_scheduler_configs:
                 rebind_scheduler(config.scheduler, optimizer, oss)
             converted.append(oss)

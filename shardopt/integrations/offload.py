@@ -14,7 +14,9 @@ OSS's own rule (``None`` or ``"cpu"``). Checkpoints do not change with offload, 
 saved with it resumes without it and the reverse. No ``shardopt_zero2_offload`` name is
 registered: the shardopt strategies take their options as constructor arguments (one
 registered name per class; in YAML, ``init_args``). Accelerate custom loops build their OSS
-themselves, so there it is ``OSS(..., offload="cpu")``. ZeRO-3 keeps no OSS, so ``offload``
+themselves, so there it is ``OSS(..., offload="cpu")``; the same holds for an OSS a user hands
+to Lightning or the Trainer, which is used as built: one built without the ``offload`` its
+configuration asks for is refused, not silently kept on the device. ZeRO-3 keeps no OSS, so ``offload``
 there is refused rather than ignored: offloading a FullyShardedDataParallel model is not
 built yet.
 """
@@ -24,9 +26,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from shardopt.optim import OSS
 from shardopt.optim.masters import check_offload
 
-__all__ = ["refuse_zero3_offload", "resolve_offload"]
+__all__ = ["check_given_oss", "refuse_zero3_offload", "resolve_offload"]
 
 
 def resolve_offload(offload: object, oss_kwargs: Mapping[str, Any], owner: str) -> str | None:
@@ -75,4 +78,24 @@ def refuse_zero3_offload(offload: object, owner: str, instead: str, stage: str =
             f"{owner}({stage}offload={offload!r}): ZeRO-3 offload is not available yet (offload keeps an OSS's masters and "
             "optimizer state in host memory, and ZeRO-3 shards with FullyShardedDataParallel, without an OSS); use "
             f"{instead} to keep the optimizer state and masters in host memory, or leave offload=None"
+        )
+
+
+def check_given_oss(optimizer: OSS, offload: str | None, owner: str) -> None:
+    """Refuse an OSS the user built (used as it is) without the ``offload`` its integration
+    asks for (Note [offload in the integrations]).
+
+    Args:
+        optimizer: the OSS the integration will step.
+        offload: the integration's resolved ``offload`` (:func:`resolve_offload`).
+        owner: the configuration's name, e.g. ``"ZeRO2Strategy"``.
+
+    Raises:
+        ValueError: ``offload`` is set and ``optimizer`` was built with another one.
+    """
+    if offload is not None and optimizer.offload != offload:
+        raise ValueError(
+            f"{owner}(offload={offload!r}) got an OSS built with offload={optimizer.offload!r}, which is used as it "
+            f"was built; build it with OSS(..., offload={offload!r}), or hand over a plain torch.optim optimizer "
+            f"(the integration rebuilds it as an OSS with offload={offload!r})"
         )
