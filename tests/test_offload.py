@@ -33,7 +33,7 @@ pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or su
 F32, BF16 = torch.float32, torch.bfloat16
 ADAMW: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 STAGES = ("zero1", "zero2", "zero2-whole", "zero2-hybrid")
-MODES = ("plain", "accumulate", "no_sync", "carry", "clip", "scaler", "checkpoint")
+MODES = ("plain", "accumulate", "no_sync", "carry", "clip", "scaler", "freeze", "checkpoint")
 CHECKPOINT_VARIANTS = {"offload-to-offload": ("cpu", "cpu"), "offload-to-device": ("cpu", None),
                        "device-to-offload": (None, "cpu")}
 """Saved with / loaded into offload (the reference saves and loads without)."""
@@ -86,6 +86,9 @@ def _train(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode: str
             model = mlp(dtype, seed=5)
             opt, wrapped = _build(stage, model, dtype, offload_after, world_size, lr=0.5)
             load(model, opt)
+        if mode == "freeze" and step in (2, 4) and stage != "zero1":  # frozen mid-training, then trainable
+            model[2].weight.requires_grad_(step == 4)  # again: its state is parked with its owner (on the host)
+            # (DDP cannot change which parameters train after it is built: ZeRO-2 only)
         if mode != "carry" or step % 3 == 0:  # carry: gradients summed across steps, as DDP does
             opt.zero_grad(set_to_none=step % 2 == 0)
         micro = 2 if mode in ("accumulate", "no_sync") else 1
