@@ -220,3 +220,38 @@ def test_host_optimizer_kernels_per_step_do_not_grow_with_the_number_of_paramete
         (off8, dev8), (off64, dev64) = counts[f"{name}/8"], counts[f"{name}/64"]
         assert off8 == off64 > 0, (name, off8, off64)
         assert dev64 > dev8 and dev64 > off64, (name, dev8, dev64)  # the counter sees per-tensor work
+
+
+def _save_both(rank: int, world_size: int, folder: str) -> None:
+    """Three ZeRO-2 steps (bf16 with fp32 masters, and fp32) with and without offload, each
+    saved as a sharded checkpoint."""
+    for dtype in (F32, BF16):
+        for offload in ("cpu", None):
+            model = mlp(dtype)
+            opt, wrapped = _build("zero2", model, dtype, offload, world_size)
+            for step in range(3):
+                opt.zero_grad()
+                loss_of(wrapped, rank, step, dtype).backward()
+                opt.step()
+            checkpoint.save_sharded(f"{folder}/{dtype}-{offload}", model, opt, {"step": 3})
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flatten(item, f"{prefix}{key}/").items()}
+    return {prefix: value}
+
+
+def test_a_checkpoint_saved_with_offload_converts_to_the_same_file_as_one_saved_without(tmp_path: Any) -> None:
+    from shardopt.integrations.checkpoints import convert_sharded
+
+    run_ranks(_save_both, 2, str(tmp_path), timeout_s=120)
+    for dtype in (F32, BF16):
+        files = {}
+        for offload in ("cpu", None):
+            convert_sharded(str(tmp_path / f"{dtype}-{offload}"), str(tmp_path / f"{dtype}-{offload}.pt"))
+            files[offload] = _flatten(torch.load(tmp_path / f"{dtype}-{offload}.pt", weights_only=True))
+        assert files["cpu"].keys() == files[None].keys() and len(files[None]) > 10, sorted(files[None])[:20]
+        assert any("master" in k for k in files[None]) == (dtype == BF16)  # mirrors are never saved
+        for key, value in files[None].items():
+            assert torch.equal(torch.as_tensor(files["cpu"][key]), torch.as_tensor(value)), key
