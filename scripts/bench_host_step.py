@@ -1,6 +1,7 @@
 """The host (CPU) Adam step over an fp32 shard of P parameters: torch's three forms over one
 tensor per parameter and over one flat tensor, shardopt's flat masters (``OSS.step`` whole:
-gradient fold, the wrapped optimizer's step, rounding into bf16 parameters), and DeepSpeed's
+gradient fold, the wrapped optimizer's step, rounding into bf16 parameters), the same with
+``offload="cpu"`` (over fp32 parameters, whose masters are then exact mirrors, and bf16), and DeepSpeed's
 ``DeepSpeedCPUAdam`` (ZeRO-Offload's host optimizer) when it is importable.
 
 Usage (from the repository root)::
@@ -96,16 +97,20 @@ INNER: list[float] = []
 """The wrapped optimizer's step times (ms) within the last ``OSS.step`` calls of an inner row."""
 
 
-def shardopt_row(numels: list[int], inner: bool = False, **form: bool) -> Setup:
-    """``OSS.step`` (world size 1) over bf16 parameters with fp32 flat masters: folds each
-    bf16 gradient into the flat fp32 gradient buffer (allocated at each step and freed after
-    it), steps the wrapped torch Adam over the flat tensor, rounds the masters into the bf16
-    parameters. With ``inner``, the row times the wrapped optimizer's step inside it only."""
+def shardopt_row(numels: list[int], inner: bool = False, offload: bool = False, dtype: torch.dtype = torch.bfloat16,
+                 **form: bool) -> Setup:
+    """``OSS.step`` (world size 1) over ``dtype`` parameters with fp32 flat masters: folds each
+    gradient into the flat fp32 gradient buffer (without offload allocated at each step and
+    freed after it; with ``offload`` kept between steps, and fp32 parameters get fp32 mirrors:
+    Note [offloaded masters] in shardopt.optim.masters), steps the wrapped torch Adam over the
+    flat tensor, copies (rounds) the masters into the parameters. With ``inner``, the row
+    times the wrapped optimizer's step inside it only."""
     def setup() -> tuple[Callable[[], None], Callable[[], object]]:
         gen = torch.Generator().manual_seed(0)
-        ps = [nn.Parameter(torch.randn(n, generator=gen).to(torch.bfloat16)) for n in numels]
-        grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in numels]
-        opt = OSS(ps, optim=torch.optim.Adam, master_dtype=torch.float32, **HYPER, **form)
+        ps = [nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in numels]
+        grads = [torch.randn(n, generator=gen).to(dtype) for n in numels]
+        masters = torch.float32 if dtype != torch.float32 else None
+        opt = OSS(ps, optim=torch.optim.Adam, master_dtype=masters, offload="cpu" if offload else None, **HYPER, **form)
         if inner:
             wrapped_step = opt.optim.step
 
@@ -152,6 +157,11 @@ def main() -> None:
         f"shardopt OSS.step flat masters, Adam for-loop, {n} bf16 params": shardopt_row(numels, foreach=False),
         f"shardopt OSS.step flat masters, Adam fused, {n} bf16 params": shardopt_row(numels, fused=True),
         "  its wrapped optimizer's step only (Adam fused)": shardopt_row(numels, inner=True, fused=True),
+        f"shardopt OSS.step offload, Adam fused, {n} fp32 params": shardopt_row(numels, offload=True,
+                                                                                  dtype=torch.float32, fused=True),
+        "  its wrapped optimizer's step only (offload fp32, Adam fused)": shardopt_row(
+            numels, inner=True, offload=True, dtype=torch.float32, fused=True),
+        f"shardopt OSS.step offload, Adam fused, {n} bf16 params": shardopt_row(numels, offload=True, fused=True),
     }
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401

@@ -73,6 +73,13 @@ def _oss_part(param: torch.Tensor, opt: OSS) -> torch.Tensor | None:
     return parts[0] if len(parts) == 1 else parts[0].float() + parts[1].float()
 
 
+def _reduce_device(param: torch.Tensor) -> torch.device:
+    """Where the slots of ``param``'s process group are reduced: the compute device of the
+    ZeRO-3 unit that owns it (its shard may be offloaded to the host), else its own device."""
+    handle = getattr(owner_of(param), "handle", None)
+    return handle.device if handle is not None else param.device
+
+
 def _named_unique(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     seen: set[int] = set()
     for name, p in module.named_parameters():
@@ -129,7 +136,7 @@ def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict[str, torch.Ten
     totals: dict[int, float] = {}
     for group in distinct:
         slots = [i for i, g in enumerate(groups) if g is group]
-        device = named[slots[0]][1].device  # a CUDA one for NCCL
+        device = _reduce_device(named[slots[0]][1])  # a CUDA one for NCCL
         zero = torch.zeros((), dtype=torch.float64, device=device)
         powers = []
         for i in slots:

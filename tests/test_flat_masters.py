@@ -26,6 +26,7 @@ from shardopt import checkpoint, comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
+from tests.helpers.kernels import optimizer_kernels
 from tests.helpers.masters import MasterReference, loss_of, sdp_reduce
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -330,22 +331,6 @@ def test_a_matrix_wise_optimizer_steps_each_master_as_a_view_of_the_buffer_and_e
 # ---------------------------------------------------------------------- host work per step
 
 
-def _optimizer_kernels(step: Callable[[], Any], cls: type[torch.optim.Optimizer]) -> int:
-    """The aten calls (nested ones too: a CPU foreach kernel calls one per tensor) inside the
-    ``step`` of the torch optimizer ``cls`` during ``step()`` (OSS's own step is one too)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-
-    def inside(event: Any) -> bool:
-        while event is not None:
-            if event.name == f"Optimizer.step#{cls.__name__}.step":
-                return True
-            event = event.cpu_parent
-        return False
-
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and inside(e))
-
-
 def _deep(layers: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(64, 64) for _ in range(layers)]).to(BF16)
@@ -362,14 +347,14 @@ def _kernel_counts(rank: int, world_size: int) -> dict[str, Any]:
             for _ in range(3):  # the first step creates the state
                 opt.zero_grad()
                 model(torch.randn(4, 64).to(BF16)).float().pow(2).mean().backward()
-                counts.append(_optimizer_kernels(opt.step, cls))
+                counts.append(optimizer_kernels(opt.step, cls))
             # The per-parameter layout: what OSS stepped before flat masters, for the control below.
             masters = [p.detach().float().requires_grad_() for p in model.parameters()]
             per_param = cls(masters, **kwargs)
             for _ in range(2):
                 for m in masters:
                     m.grad = torch.ones_like(m)
-                per_param_count = _optimizer_kernels(per_param.step, cls)
+                per_param_count = optimizer_kernels(per_param.step, cls)
             out[f"{opt_name}/{layers}"] = (counts[-1], per_param_count)
     return out
 

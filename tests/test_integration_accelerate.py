@@ -2,7 +2,8 @@
 ZeRO-2 (ShardedDataParallel + OSS), built in either order around the LR scheduler, and
 ZeRO-3 (FullyShardedDataParallel + a plain optimizer) train like accelerate + DDP with
 accumulation, a warm-up schedule and clipping by the global norm; save_state / load_state
-resumes exactly."""
+resumes exactly. An OSS built with ``offload="cpu"`` trains and resumes bit for bit as without
+it, its state saved with offload loading without and the reverse."""
 
 from __future__ import annotations
 
@@ -45,10 +46,12 @@ def _loader(accelerator: Any) -> Any:
 
 
 def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: bool = False,
-         fed_norms: list[float] | None = None) -> dict[str, Any]:
+         fed_norms: list[float] | None = None, offload: str | None = None, state: str | None = None) -> dict[str, Any]:
     """Train STEPS optimizer steps; optionally save after ``save_after`` steps, or load
     the saved state first and train the remaining steps. ``fed_norms``: the DDP run clips
-    by these total norms (Note [fed clip norms] in tests/helpers/clip.py)."""
+    by these total norms (Note [fed clip norms] in tests/helpers/clip.py). ``offload``: the
+    OSS's; ``state``: the folder saved to and loaded from (default ``<mode>-<order>``)."""
+    state = os.path.join(tmp, state or f"{mode}-{order}")
     cls = Accelerator if mode == "ddp" else ShardedAccelerator
     accelerator = cls(gradient_accumulation_steps=ACCUM, cpu=True)  # CPU tests: the CPU even where a GPU is seen
     model = seeded_mlp()
@@ -58,7 +61,7 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
     elif mode == "ddp":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
-        optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1, offload=offload)
         if order == "early":  # the trap: a state dict taken before the scheduler exists
             optimizer.consolidate_state_dict(recipient_rank=-1)
     wrapped: Any = ShardedDataParallel(model, optimizer) if mode == "zero2" else model
@@ -66,16 +69,18 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
     wrapped, optimizer, loader, scheduler = accelerator.prepare(wrapped, optimizer, _loader(accelerator), scheduler)
     start = 0
     if load:
-        accelerator.load_state(os.path.join(tmp, f"{mode}-{order}"))
+        accelerator.load_state(state)
         start = save_after or 0
-    lrs, norms, done = [], [], 0
+    lrs, norms, losses, offloaded, done = [], [], [], [], 0
     for batch_idx, (x, y) in enumerate(loader):
         if batch_idx < start * ACCUM:
             continue  # the batches the saved run consumed
         with accelerator.accumulate(wrapped):
             loss = F.mse_loss(wrapped(x), y)
+            losses.append(loss.detach().clone())
             accelerator.backward(loss)
             if accelerator.sync_gradients:
+                offloaded.append(_offloaded(optimizer.optimizer))
                 if fed_norms is not None:
                     norms.append(float(clip_with_fed_norm(model.parameters(), CLIP, fed_norms[len(norms)])))
                 else:
@@ -87,7 +92,7 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
         if accelerator.sync_gradients:
             done += 1
             if save_after is not None and not load and start + done == save_after:
-                accelerator.save_state(os.path.join(tmp, f"{mode}-{order}"))
+                accelerator.save_state(state)
             if start + done == STEPS:
                 break
     if isinstance(wrapped, ShardedDataParallel):
@@ -97,7 +102,16 @@ def _run(mode: str, order: str, tmp: str, save_after: int | None = None, load: b
     else:
         params = [p.detach().clone() for p in model.parameters()]
     accelerator.free_memory()
-    return {"params": params, "lrs": lrs, "norms": norms}
+    return {"params": params, "lrs": lrs, "norms": norms, "losses": losses, "offloaded": offloaded}
+
+
+def _offloaded(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is an offloaded OSS and every master this rank steps is a host
+    tensor apart from its parameter (``None`` would mean no master: fp32 without offload)."""
+    if not isinstance(optimizer, OSS) or optimizer.offload != "cpu":
+        return False
+    held = [(p, optimizer.master_of(p)) for p in optimizer.params if optimizer.grad_holder(p) is not None]
+    return bool(held) and all(m is not None and m is not p and m.device.type == "cpu" for p, m in held)
 
 
 def _loops(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
@@ -225,3 +239,34 @@ def test_oss_through_a_plain_accelerator_is_refused_with_a_message_naming_sharde
     assert results[1]["placement=False"].startswith(
         "[rank 1] OSS.state_dict() has no consolidated state (the last consolidate_state_dict() collected the state "
         f"on rank 0, not this rank); {fix}"), results
+
+
+def _offload(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    _env(rank, world_size)
+    out: dict[str, Any] = {}
+    for mode in ("zero1", "zero2"):
+        runs = {offload: _run(mode, "late", tmp, save_after=2, offload=offload, state=f"{mode}-{offload}")
+                for offload in (None, "cpu")}
+        plain, offloaded = runs[None], runs["cpu"]
+        out[f"{mode}/params"] = max_abs_diff(offloaded["params"], plain["params"])
+        out[f"{mode}/losses"] = max_abs_diff(offloaded["losses"], plain["losses"])
+        out[f"{mode}/same"] = offloaded["norms"] == plain["norms"] and offloaded["lrs"] == plain["lrs"]
+        out[f"{mode}/offloaded"], out[f"{mode}/plain_offloaded"] = offloaded["offloaded"], plain["offloaded"]
+        for saved, resumed in ((None, "cpu"), ("cpu", None)):  # across offload, both ways
+            again = _run(mode, "late", tmp, save_after=2, load=True, offload=resumed, state=f"{mode}-{saved}")
+            at = f"{mode}/saved-{saved}-resumed-{resumed}"
+            out[f"{at}/params"] = max_abs_diff(again["params"], plain["params"])
+            out[f"{at}/losses"] = max_abs_diff(again["losses"], plain["losses"][len(plain["losses"]) // 2:])
+    return out
+
+
+def test_an_offloaded_oss_trains_and_resumes_bit_for_bit_like_without_offload() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_offload, 2, tmp, timeout_s=300)
+    for out in results:
+        for mode in ("zero1", "zero2"):
+            assert out[f"{mode}/offloaded"] == [True] * STEPS and not any(out[f"{mode}/plain_offloaded"]), out
+            assert out[f"{mode}/params"] == 0.0 and out[f"{mode}/losses"] == 0.0 and out[f"{mode}/same"], out
+            for saved, resumed in ((None, "cpu"), ("cpu", None)):
+                at = f"{mode}/saved-{saved}-resumed-{resumed}"
+                assert out[f"{at}/params"] == 0.0 and out[f"{at}/losses"] == 0.0, (at, out)

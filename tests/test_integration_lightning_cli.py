@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
     assert "shardopt.integrations.lightning" not in sys.modules
     cli = LightningCLI(Tiny, run=False, args=["--config", sys.argv[1]], save_config_callback=None)
     strategy = cli.trainer.strategy
-    print(type(strategy).__name__, strategy.checkpoint.value, strategy.sdp_kwargs)
+    print(type(strategy).__name__, strategy.checkpoint.value, strategy.sdp_kwargs, strategy.offload)
 ''')
 
 CONFIG = textwrap.dedent('''
@@ -45,6 +45,7 @@ CONFIG = textwrap.dedent('''
         init_args:
           checkpoint: sharded
           sdp_kwargs: {reduce_buffer_size: 0}
+          offload: cpu
 ''')
 
 
@@ -59,4 +60,4 @@ def test_yaml_names_a_strategy_by_class_path_without_importing_shardopt(tmp_path
     done = subprocess.run([sys.executable, script, config], capture_output=True, text=True, timeout=120, env=env,
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "ZeRO2Strategy sharded {'reduce_buffer_size': 0}", done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "ZeRO2Strategy sharded {'reduce_buffer_size': 0} cpu", done.stdout

@@ -26,13 +26,14 @@ from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
 from tests.helpers.masters import loss_of
+from tests.helpers.kernels import optimizer_kernels
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
 F32, BF16 = torch.float32, torch.bfloat16
 ADAMW: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 STAGES = ("zero1", "zero2", "zero2-whole", "zero2-hybrid")
-MODES = ("plain", "accumulate", "no_sync", "clip", "scaler", "checkpoint")
+MODES = ("plain", "accumulate", "no_sync", "carry", "clip", "scaler", "freeze", "checkpoint")
 CHECKPOINT_VARIANTS = {"offload-to-offload": ("cpu", "cpu"), "offload-to-device": ("cpu", None),
                        "device-to-offload": (None, "cpu")}
 """Saved with / loaded into offload (the reference saves and loads without)."""
@@ -85,7 +86,11 @@ def _train(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode: str
             model = mlp(dtype, seed=5)
             opt, wrapped = _build(stage, model, dtype, offload_after, world_size, lr=0.5)
             load(model, opt)
-        opt.zero_grad(set_to_none=step % 2 == 0)
+        if mode == "freeze" and step in (2, 4) and stage != "zero1":  # frozen mid-training, then trainable
+            model[2].weight.requires_grad_(step == 4)  # again: its state is parked with its owner (on the host)
+            # (DDP cannot change which parameters train after it is built: ZeRO-2 only)
+        if mode != "carry" or step % 3 == 0:  # carry: gradients summed across steps, as DDP does
+            opt.zero_grad(set_to_none=step % 2 == 0)
         micro = 2 if mode in ("accumulate", "no_sync") else 1
         for k in range(micro):
             loss = loss_of(wrapped, rank, 10 * step + k, dtype)
@@ -185,3 +190,68 @@ def test_bad_offload_values_and_ranks_that_disagree_are_clear_errors() -> None:
         assert "got 'gpu'" in r["'gpu'"] and "pass offload='cpu'" in r["'gpu'"]
         assert "got True" in r["True"]
         assert "offload" in r["disagree"] and "same OSS arguments on every rank" in r["disagree"], r["disagree"]
+
+
+def _kernel_counts(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+    """The wrapped optimizer's aten calls per step over an fp32 model of 8 and of 64 layers,
+    with offload (host mirrors stepped as one flat tensor) and without (one tensor per
+    parameter: the control, which shows that the counter sees per-parameter work)."""
+    out: dict[str, tuple[int, int]] = {}
+    for name, kwargs in (("adamw/default", {}), ("adamw/foreach", {"foreach": True}), ("adamw/fused", {"fused": True})):
+        for layers in (8, 64):
+            counts = []
+            for offload in ("cpu", None):
+                torch.manual_seed(0)
+                model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(layers)])
+                opt = OSS(model.parameters(), optim=torch.optim.AdamW, offload=offload, **ADAMW, **kwargs)
+                for _ in range(3):  # the first step creates the state
+                    opt.zero_grad()
+                    model(torch.randn(4, 64)).pow(2).mean().backward()
+                    count = optimizer_kernels(opt.step, torch.optim.AdamW)
+                counts.append(count)
+            out[f"{name}/{layers}"] = (counts[0], counts[1])
+    return out
+
+
+def test_host_optimizer_kernels_per_step_do_not_grow_with_the_number_of_parameters() -> None:
+    counts = run_ranks(_kernel_counts, 1, timeout_s=180)[0]
+    print(f"\nhost optimizer aten calls per step (offload, without): {counts}")
+    for name in ("adamw/default", "adamw/foreach", "adamw/fused"):
+        (off8, dev8), (off64, dev64) = counts[f"{name}/8"], counts[f"{name}/64"]
+        assert off8 == off64 > 0, (name, off8, off64)
+        assert dev64 > dev8 and dev64 > off64, (name, dev8, dev64)  # the counter sees per-tensor work
+
+
+def _save_both(rank: int, world_size: int, folder: str) -> None:
+    """Three ZeRO-2 steps (bf16 with fp32 masters, and fp32) with and without offload, each
+    saved as a sharded checkpoint."""
+    for dtype in (F32, BF16):
+        for offload in ("cpu", None):
+            model = mlp(dtype)
+            opt, wrapped = _build("zero2", model, dtype, offload, world_size)
+            for step in range(3):
+                opt.zero_grad()
+                loss_of(wrapped, rank, step, dtype).backward()
+                opt.step()
+            checkpoint.save_sharded(f"{folder}/{dtype}-{offload}", model, opt, {"step": 3})
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flatten(item, f"{prefix}{key}/").items()}
+    return {prefix: value}
+
+
+def test_a_checkpoint_saved_with_offload_converts_to_the_same_file_as_one_saved_without(tmp_path: Any) -> None:
+    from shardopt.integrations.checkpoints import convert_sharded
+
+    run_ranks(_save_both, 2, str(tmp_path), timeout_s=120)
+    for dtype in (F32, BF16):
+        files = {}
+        for offload in ("cpu", None):
+            convert_sharded(str(tmp_path / f"{dtype}-{offload}"), str(tmp_path / f"{dtype}-{offload}.pt"))
+            files[offload] = _flatten(torch.load(tmp_path / f"{dtype}-{offload}.pt", weights_only=True))
+        assert files["cpu"].keys() == files[None].keys() and len(files[None]) > 10, sorted(files[None])[:20]
+        assert any("master" in k for k in files[None]) == (dtype == BF16)  # mirrors are never saved
+        for key, value in files[None].items():
+            assert torch.equal(torch.as_tensor(files["cpu"][key]), torch.as_tensor(value)), key

@@ -18,8 +18,9 @@ built on the sharded parameters. Gradient accumulation uses the wrapper's ``no_s
 sharded gradients]); precision ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (with
 :class:`~shardopt.optim.grad_scaler.ShardedGradScaler`), and ``"bf16-true"`` / ``"16-true"``
 meaning what DeepSpeed users expect: low-precision parameters with fp32 master weights on
-their owner (Note [true precision means fp32 masters]); checkpoints hold plain, full state
-dicts; after ``fit`` the LightningModule is a plain module again.
+their owner (Note [true precision means fp32 masters]); ``offload="cpu"`` (ZeRO-1/2) keeps the
+masters and optimizer state in host memory (Note [offload in the integrations]); checkpoints
+hold plain, full state dicts; after ``fit`` the LightningModule is a plain module again.
 
 Note [true precision means fp32 masters]
 Lightning's ``"bf16-true"`` under DDP casts the module to bf16 and steps the optimizer on the
@@ -91,6 +92,7 @@ from shardopt.integrations.lightning_precision import (
     sharded_scaler,
     unwrap_optimizer,
 )
+from shardopt.integrations.offload import check_given_oss, refuse_zero3_offload, resolve_offload
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardopt.nn import MixedPrecision as FSDPMixedPrecision
 from shardopt.optim import OSS
@@ -253,16 +255,19 @@ class _ShardedStrategy(DDPStrategy):
 class _OSSStrategy(_ShardedStrategy):
     """ZeRO-1/2: rebuild the optimizers of ``configure_optimizers`` as OSS."""
 
-    def __init__(self, oss_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, oss_kwargs: Mapping[str, Any] | None = None, offload: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.oss_kwargs = dict(oss_kwargs or {})
+        self.offload = resolve_offload(offload, self.oss_kwargs, type(self).__name__)
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         """Build the user's optimizers, rebuild each as OSS and rebind its LR schedulers.
 
         Raises:
             ValueError: an optimizer cannot be sharded (see :func:`~shardopt.integrations.
-                convert.to_oss`), or a scheduler cannot be rebound.
+                convert.to_oss`), a scheduler cannot be rebound, or an OSS returned by
+                ``configure_optimizers`` lacks the strategy's ``offload``.
         """
         super().setup_optimizers(trainer)
         converted = []
@@ -272,17 +277,19 @@ class _OSSStrategy(_ShardedStrategy):
                 converted.append(optimizer)
                 continue
             oss = to_oss(optimizer, **self._oss_options())
+            check_given_oss(oss, self.offload, type(self).__name__)  # to_oss keeps an OSS as it is
             for config in self.lr_scheduler_configs:
                 rebind_scheduler(config.scheduler, optimizer, oss)
             converted.append(oss)
         self.optimizers = converted
 
     def _oss_options(self) -> dict[str, Any]:
-        """``oss_kwargs``, with fp32 masters under ``"bf16-true"``/``"16-true"`` unless given
-        (Note [true precision means fp32 masters])."""
-        if self._low_dtype() is None:
-            return self.oss_kwargs
-        return {"master_dtype": torch.float32, **self.oss_kwargs}
+        """``oss_kwargs`` with ``offload``, and fp32 masters under ``"bf16-true"``/``"16-true"``
+        unless given (Note [true precision means fp32 masters])."""
+        options = {**self.oss_kwargs, "offload": self.offload}
+        if self._low_dtype() is not None:
+            options.setdefault("master_dtype", torch.float32)
+        return options
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
         """``OSS.clip_grad_norm``: exactly torch's norm of the full gradients.
@@ -317,7 +324,12 @@ class ZeRO1Strategy(_OSSStrategy):
 
     Args:
         oss_kwargs: extra :class:`~shardopt.optim.OSS` arguments (``broadcast_fp16``).
+        offload: ``"cpu"``: the OSS keeps masters, their gradients and the optimizer state in
+            host memory and steps there (Note [offload in the integrations]); default ``None``.
         **kwargs: Lightning ``DDPStrategy`` arguments, DDP's own included.
+
+    Raises:
+        ValueError: ``offload`` is not ``None``/``"cpu"`` or disagrees with ``oss_kwargs``.
     """
 
     strategy_name = "shardopt_zero1"
@@ -335,17 +347,19 @@ class ZeRO2Strategy(_OSSStrategy):
         oss_kwargs: extra :class:`~shardopt.optim.OSS` arguments.
         sdp_kwargs: extra :class:`~shardopt.nn.ShardedDataParallel` arguments
             (``reduce_buffer_size``, ``reduce_dtype``, ...).
+        offload: as for :class:`ZeRO1Strategy` (``"cpu"``: the optimizer state in host memory).
         **kwargs: Lightning ``DDPStrategy`` arguments other than DDP's own.
 
     Raises:
         TypeError: DDP arguments were passed.
+        ValueError: a bad ``offload``, as for :class:`ZeRO1Strategy`.
     """
 
     strategy_name = "shardopt_zero2"
 
-    def __init__(self, oss_kwargs: Mapping[str, Any] | None = None,
-                 sdp_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(oss_kwargs, **kwargs)
+    def __init__(self, oss_kwargs: Mapping[str, Any] | None = None, sdp_kwargs: Mapping[str, Any] | None = None,
+                 offload: str | None = None, **kwargs: Any) -> None:
+        super().__init__(oss_kwargs, offload, **kwargs)
         self._require_empty_ddp_kwargs("SDP")
         self.sdp_kwargs = dict(sdp_kwargs or {})
 
@@ -392,10 +406,13 @@ class ZeRO3Strategy(_ShardedStrategy):
         gather_on_teardown: after ``fit``, gather the full parameters into the plain
             module on every rank (default). ``False`` leaves the module wrapped and
             sharded (save with ``checkpoint="sharded"`` and ``shardopt convert``).
+        offload: must be ``None``: ZeRO-3 offload is not built yet (Note [offload in the
+            integrations]); :class:`ZeRO2Strategy` offloads the optimizer state.
         **kwargs: Lightning ``DDPStrategy`` arguments other than DDP's own.
 
     Raises:
         TypeError: DDP arguments were passed.
+        ValueError: ``offload`` is not ``None``.
 
     Note [ZeRO-3 without the full model]
     Lightning's DDP path moves the whole model to the device (``model_to_device``) before
@@ -412,7 +429,8 @@ class ZeRO3Strategy(_ShardedStrategy):
     keeps_fp32_module = True
 
     def __init__(self, fsdp_kwargs: Mapping[str, Any] | None = None, init_on_meta: bool = False,
-                 gather_on_teardown: bool = True, **kwargs: Any) -> None:
+                 gather_on_teardown: bool = True, offload: str | None = None, **kwargs: Any) -> None:
+        refuse_zero3_offload(offload, type(self).__name__, "ZeRO2Strategy(offload='cpu')")
         super().__init__(**kwargs)
         self._require_empty_ddp_kwargs("FSDP")
         self.init_on_meta = init_on_meta

@@ -16,6 +16,9 @@ What changes against a plain ``Trainer`` (everything else is the Trainer's own):
 * stage 1 keeps Accelerate's DDP; stages 2 and 3 hand Accelerate their own wrapper (for
   autocast only), so it is not wrapped in DDP on top. Accumulation then runs under the
   wrapper's ``no_sync`` (Accelerate calls it);
+* ``Sharding(offload="cpu")`` (stages 1, 2) keeps the OSS's masters, their gradients and the
+  optimizer state in host memory and steps there (Note [offload in the integrations] in
+  :mod:`shardopt.integrations.offload`);
 * ``max_grad_norm`` clips by the global norm and the logged ``grad_norm`` is the global
   one (Note [clipping sharded gradients] in :mod:`shardopt.integrations.lightning`);
 * checkpoints hold the full model and a plain, consolidated optimizer state (stage 3: the
@@ -82,6 +85,7 @@ from shardopt.integrations.checkpoints import (
     save_trainer_checkpoint,
 )
 from shardopt.integrations.convert import rebind_scheduler, release, to_oss, wrap_units_first
+from shardopt.integrations.offload import check_given_oss, refuse_zero3_offload, resolve_offload
 from shardopt.nn import FullyShardedDataParallel, MixedPrecision, ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.clipping import ClipArgs
@@ -121,11 +125,16 @@ class Sharding:
             ``shardopt_sharded`` folder inside each checkpoint, loadable at any world size;
             ``shardopt convert`` turns it into ``model.safetensors``; Note [sharded trainer
             checkpoints] in :mod:`shardopt.integrations.checkpoints`).
+        offload: ``"cpu"`` (stages 1, 2): the OSS keeps the masters (an fp32 parameter's exact
+            copy), their gradients and the optimizer state in host memory and steps there, as
+            DeepSpeed's ``offload_optimizer`` (Note [offload in the integrations] in
+            :mod:`shardopt.integrations.offload`); ``None`` (default), or ``oss_kwargs["offload"]``.
 
     Raises:
         ValueError: ``stage`` is not 1, 2 or 3, wrapper options for stage 1, a
-            ``param_dtype`` that is not bf16/fp16, ``master_dtype`` without it, or another
-            ``checkpoint``.
+            ``param_dtype`` that is not bf16/fp16, ``master_dtype`` without it, another
+            ``checkpoint``, an ``offload`` other than ``None``/``"cpu"`` (or one that disagrees
+            with ``oss_kwargs``), or ``offload`` at stage 3.
     """
 
     stage: int = 2
@@ -134,11 +143,15 @@ class Sharding:
     param_dtype: torch.dtype | None = None
     master_dtype: torch.dtype | None = None
     checkpoint: CheckpointKind | str = CheckpointKind.FULL
+    offload: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", parse_checkpoint_kind(self.checkpoint, "Sharding"))
         if self.stage not in (1, 2, 3):
             raise ValueError(f"Sharding(stage={self.stage!r}): stage must be 1, 2 or 3")
+        if self.stage == 3:
+            refuse_zero3_offload(self.offload, "Sharding", "Sharding(stage=2, offload='cpu')", stage="stage=3, ")
+        object.__setattr__(self, "offload", resolve_offload(self.offload, self.oss_kwargs, "Sharding"))
         if self.param_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"Sharding(param_dtype={self.param_dtype!r}): param_dtype must be torch.bfloat16, "
                              "torch.float16 or None (train in the model's own dtype)")
@@ -151,6 +164,14 @@ class Sharding:
             raise ValueError("Sharding(stage=1) uses Accelerate's DDP; wrapper_kwargs are for stages 2 and 3")
         if self.stage == 3 and self.oss_kwargs:
             raise ValueError("Sharding(stage=3) shards with FullyShardedDataParallel; oss_kwargs are for stages 1, 2")
+
+    def oss_options(self) -> dict[str, Any]:
+        """The :class:`~shardopt.optim.OSS` arguments of stages 1 and 2: ``oss_kwargs`` with
+        ``offload``, and ``master_dtype`` unless ``oss_kwargs`` holds one."""
+        options = {**self.oss_kwargs, "offload": self.offload}
+        if self.master_dtype is not None:
+            options.setdefault("master_dtype", self.master_dtype)
+        return options
 
 
 def _inner_optimizer(optimizer: Any) -> Any:
@@ -263,7 +284,8 @@ class ShardedTrainerMixin(_Base):
 
         Raises:
             TypeError: stage 3 was given an OSS.
-            ValueError: the optimizer cannot be sharded (see ``to_oss``).
+            ValueError: the optimizer cannot be sharded (see ``to_oss``), or an OSS passed in
+                ``optimizers=`` lacks ``Sharding.offload``.
         """
         if self.sharding.stage == 3:
             self._fsdp_root()
@@ -274,13 +296,11 @@ class ShardedTrainerMixin(_Base):
             return optimizer
         optimizer = _inner_optimizer(super().create_optimizer(model))
         if not isinstance(optimizer, OSS):
-            options = dict(self.sharding.oss_kwargs)
-            if self.sharding.master_dtype is not None:
-                options.setdefault("master_dtype", self.sharding.master_dtype)
-            oss = to_oss(optimizer, **options)
+            oss = to_oss(optimizer, **self.sharding.oss_options())
             if self.lr_scheduler is not None:
                 rebind_scheduler(self.lr_scheduler, optimizer, oss)
             self.optimizer = optimizer = oss
+        check_given_oss(optimizer, self.sharding.offload, "Sharding")  # one passed in optimizers= is kept
         optimizer.consolidate_state_dict(recipient_rank=-1)  # Note [Accelerate reads the optimizer's state dict]
         return optimizer
 

@@ -235,12 +235,15 @@ class FlatGroup:
         self.use(Layout.VIEWS)
         return True
 
-    def free_grads(self) -> None:
-        """Drop every master's gradient, and the gradient buffer unless it is offloaded host
-        memory (allocating and first touching it is most of a host step's overhead: Note
-        [offloaded masters] in :mod:`shardopt.optim.masters`)."""
-        for master in self.masters.values():
-            master.grad = None
+    def free_grads(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Drop every master's gradient but those of ``keep`` (offloaded mirrors: Note [mirrors
+        carry gradients] in :mod:`shardopt.optim.masters`), and the gradient buffer unless it is
+        offloaded host memory (allocating and first touching it is most of a host step's
+        overhead: Note [offloaded masters] there)."""
+        assert self.host or not keep, "only an offloaded group keeps gradients across a step"
+        for i, master in self.masters.items():
+            if i not in keep:
+                master.grad = None
         if self.flat is not None:
             self.flat.grad = None
         if not self.host:

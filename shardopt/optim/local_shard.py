@@ -238,5 +238,6 @@ class LocalShard:
         for i in range(len(params)):
             if self.owned.owns(i) and i not in trainable and (i in state or i in saved_masters):
                 kept = {MASTER_KEY: saved_masters[i]} if i in saved_masters and i not in ignored else {}
-                self.parked[i] = state_to_param({**state.get(i, {}), **kept}, params[i], group_of[i])
+                self.parked[i] = state_to_param({**state.get(i, {}), **kept}, params[i], group_of[i],
+                                                self.masters.offload)
         return missing

@@ -61,11 +61,24 @@ the device as before. On a GPU the buffers are pinned; the gradient buffer is ke
 steps rather than freed (allocating and first touching 4 bytes per owned parameter was
 460-580 ms of a 50M-parameter host step on the project's CPU machine). The copies are
 blocking: overlapping them with backward and the gather on side streams is not done yet.
-A mirror holds nothing its parameter does not, so it is never saved: checkpoints keep
+A mirror's gradient outlives the step as its parameter's would (Note [mirrors carry
+gradients]). A mirror holds nothing its parameter does not, so it is never saved: checkpoints keep
 today's keys and load with or without offload, and a mirror restarts from its parameter at a
 load or a re-partition, silently. On a CPU the parameters are already in host memory, so
 offload there only adds the mirrors' bytes; it exists there so that the same code (and its
 exactness against the run without offload) is tested on every machine.
+
+Note [mirrors carry gradients]
+Without offload an fp32 parameter is stepped as itself and its gradient outlives the step
+(DDP's semantics: a script that calls ``zero_grad`` every few steps sums the steps between).
+A mirror must keep that, or offload would change such a script's training (measured: the
+first run of the offload tests without this differed from the run without offload). So after
+the step a mirror's gradient is not freed: under DDP (ZeRO-1) the fold took ``param.grad``
+(the tensor is kept aside) and the step hands it back with the mirror's values, clipped and
+unscaled as DDP's own would be; under ShardedDataParallel the reduced sum stays in the
+mirror's ``.grad`` behind a placeholder in ``param.grad`` (Note [placeholders for moved
+gradients] in :mod:`shardopt.placeholders`), as a split parameter's rows do. A master in a
+wider dtype consumes its gradient at the step, as before (Note [master gradients]).
 """
 
 from __future__ import annotations
@@ -177,6 +190,7 @@ class MasterWeights:
         self.dtype = dtype
         self.offload = offload
         self._mirrors: set[int] = set()  # masters in their parameter's own dtype (Note [offloaded masters])
+        self._lent: dict[int, torch.Tensor] = {}  # a mirror's param.grad, handed back after the step
         self._masters: dict[int, torch.Tensor] = {}
         self._groups: list[FlatGroup] = []
         self._group_of: dict[int, FlatGroup] = {}
@@ -289,6 +303,8 @@ class MasterWeights:
             if grad is None:
                 continue
             rows = self._rows.get(i)
+            if i in self._mirrors:  # DDP's gradient: given back after the step (Note [mirrors carry gradients])
+                self._lent[i] = grad
             grad = (grad if rows is None else grad[rows[0] : rows[1]]).detach()
             if master.grad is None:
                 fresh[self._group_of[i]].append((i, grad))
@@ -300,14 +316,30 @@ class MasterWeights:
 
     @torch.no_grad()
     def write_back(self, params: Sequence[torch.Tensor]) -> None:
-        """Round every master into its parameter and free the masters' gradients."""
+        """Round every master into its parameter and free the masters' gradients, but a
+        mirror's: that one goes on as its parameter's would (Note [mirrors carry gradients])."""
         if self._masters:
             targets = [params[i] if i not in self._rows else params[i][self._rows[i][0] : self._rows[i][1]]
                        for i in self._masters]
             torch._foreach_copy_(targets, list(self._masters.values()))
         for i in self._masters:
             self._agreed[i] = params[i]._version
-        self.free_grads()
+        kept = set()
+        for i in self._mirrors:
+            master, lent = self._masters[i], self._lent.get(i)
+            if master.grad is None:
+                continue
+            if lent is not None:  # back into DDP's gradient: the clipped, unscaled values, as DDP's own
+                rows = self._rows.get(i)
+                (lent if rows is None else lent[rows[0] : rows[1]]).copy_(master.grad)
+                params[i].grad = lent
+            else:  # ShardedDataParallel's sum stays, behind a placeholder
+                kept.add(i)
+                if params[i].grad is None:
+                    leave_placeholder(params[i])
+        self._lent = {}
+        for group in self._groups:
+            group.free_grads(keep=kept)
 
     def after_gather(self, params: Sequence[torch.Tensor]) -> None:
         """The post-step gather wrote the other owners' rows of the split parameters: their
@@ -320,6 +352,7 @@ class MasterWeights:
 
     def free_grads(self) -> None:
         """Drop every master's gradient and the gradient buffers."""
+        self._lent = {}
         for group in self._groups:
             group.free_grads()
 

@@ -334,7 +334,7 @@ class OSS(Optimizer):
         """Send each state fragment whose rows changed owner to the new owners, one rank at a time."""
         kept = migrate(fragments, self._plan, self.rank, self.world_size, self.group)
         params, groups = self.params, self._group_of_global()
-        return {i: state_to_param(s, params[i], groups[i]) for i, s in kept.items()}
+        return {i: state_to_param(s, params[i], groups[i], self._masters.offload) for i, s in kept.items()}
 
     def _group_of_global(self) -> list[dict[str, Any]]:
         """The global param group of each parameter index."""

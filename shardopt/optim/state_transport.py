@@ -140,16 +140,19 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
-def state_to_param(state: dict[str, Any], param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+def state_to_param(state: dict[str, Any], param: torch.Tensor, group: dict[str, Any],
+                   device: torch.device | None = None) -> dict[str, Any]:
     """Put one parameter's state tensors where its optimizer expects them.
 
-    Per-element tensors go to the parameter's device (keeping their dtype). Scalars
-    (``step``) stay on the CPU unless the group is ``capturable`` or ``fused``, as
-    ``torch.optim`` keeps them.
+    Per-element tensors go to ``device``, by default the parameter's (keeping their dtype;
+    an offloading OSS passes its host device: Note [offloaded masters] in
+    :mod:`shardopt.optim.masters`). Scalars (``step``) stay on the CPU unless the group is
+    ``capturable`` or ``fused``, as ``torch.optim`` keeps them.
     """
     on_device = bool(group.get("capturable") or group.get("fused"))
+    where = param.device if device is None else device
     return {
-        k: v.to(param.device) if isinstance(v, torch.Tensor) and (v.dim() > 0 or on_device) else v
+        k: v.to(where) if isinstance(v, torch.Tensor) and (v.dim() > 0 or on_device) else v
         for k, v in state.items()
     }
 

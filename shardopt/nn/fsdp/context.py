@@ -17,6 +17,7 @@ import torch
 from shardopt.nn.fsdp.records import ShardedState, TrainingState
 
 if TYPE_CHECKING:
+    from shardopt.nn.fsdp.offload import PendingDownload
     from shardopt.nn.fsdp.unit import PendingReduce, Unit
 
 __all__ = ["StepContext"]
@@ -45,6 +46,9 @@ class StepContext:
         """Gradient reductions in flight, oldest first."""
         self.no_sync = False
         """Accumulate gradients locally instead of reducing them (``no_sync()``)."""
+        self.downloads: deque[PendingDownload] = deque()
+        """Offloaded units' reduced gradients on their way to the host, oldest first
+        (Note [offloaded shards] in ``offload``), landed at the end of backward."""
 
     def record(self, unit: Unit) -> None:
         """Add ``unit`` to the execution order while the first forward runs."""
@@ -65,6 +69,15 @@ class StepContext:
         while len(self.pending) > MAX_REDUCES_IN_FLIGHT:
             done = self.pending.popleft()
             done.unit.finish_reduce_(done)
+
+    def track_download(self, pending: PendingDownload | None) -> None:
+        """Keep a gradient download until the end of backward; the device buffers of the
+        earlier ones go back to the allocator once their copies are done (device-side wait)."""
+        if pending is None:
+            return
+        for earlier in self.downloads:
+            earlier.release_source()
+        self.downloads.append(pending)
 
     def prefetch(self, current: Unit, forward: bool) -> None:
         """Start gathering the unit that runs after ``current`` (before it, in backward)."""
@@ -92,6 +105,12 @@ class StepContext:
             while self.pending:
                 done = self.pending.popleft()
                 done.unit.finish_reduce_(done)
+            if self.downloads:  # the optimizer reads the offloaded gradients on the host next
+                while self.downloads:
+                    self.downloads.popleft().land()
+                for unit in self.units:  # and may write the shards an upload after them reads
+                    if unit.handle is not None:
+                        unit.handle.settle()
             for unit in self.units:
                 unit.reshard_()
                 unit.reset_step_()

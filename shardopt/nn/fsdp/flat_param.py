@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from shardopt import comm
+from shardopt.nn.fsdp.offload import HostShard, PendingDownload, land_grad
 
 __all__ = ["FlatLayout", "FlatParamHandle", "ParamSlot"]
 
@@ -183,13 +184,16 @@ class FlatParamHandle:
         shard_size: size of the shard group.
         compute_dtype: dtype of the gathered parameters (the mixed precision ``param_dtype``
             or the parameters' own dtype).
+        offload: keep the shard (and the sharded gradients) in host memory (Note [offloaded
+            shards] in ``offload``); the parameters' device stays the compute device.
 
     Raises:
         TypeError: the parameters do not share one dtype and device.
     """
 
     def __init__(
-        self, params: list[nn.Parameter], shard_rank: int, shard_size: int, compute_dtype: torch.dtype | None
+        self, params: list[nn.Parameter], shard_rank: int, shard_size: int, compute_dtype: torch.dtype | None,
+        offload: bool = False,
     ) -> None:
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
@@ -200,16 +204,22 @@ class FlatParamHandle:
             )
         self.params = params
         self.master_dtype, self.device = params[0].dtype, params[0].device
+        """The parameters' dtype, and the compute device (the gathered parameters' one)."""
         self.compute_dtype = compute_dtype or self.master_dtype
         self.layout = FlatLayout.build([p.shape for p in params], shard_rank, shard_size)
+        self.host = HostShard(self.device) if offload else None
+        """Where an offloaded shard lives and how it moves (``None``: the shard is on ``device``)."""
         lay = self.layout
         with torch.no_grad():
-            self.shard = torch.zeros(lay.shard_numel, dtype=self.master_dtype, device=self.device)
+            if self.host is not None:
+                self.shard = self.host.zeros(lay.shard_numel, self.master_dtype)
+            else:
+                self.shard = torch.zeros(lay.shard_numel, dtype=self.master_dtype, device=self.device)
             for p, slot in zip(params, lay.slots, strict=True):
                 self.local_of(self.shard, slot).copy_(
                     p.detach().reshape(-1)[slot.piece_begin : slot.piece_begin + slot.piece_numel].view(slot.local_shape)
                 )
-        self.full_is_shard = shard_size == 1 and self.compute_dtype == self.master_dtype
+        self.full_is_shard = shard_size == 1 and self.compute_dtype == self.master_dtype and self.host is None
         if self.full_is_shard:
             self.full = self.shard
         else:
@@ -293,10 +303,36 @@ class FlatParamHandle:
             comm.release_storage(self.full)
 
     def gather_source(self) -> torch.Tensor:
-        """This rank's contribution to the all-gather of the full buffer (compute dtype)."""
+        """This rank's contribution to the all-gather of the full buffer (compute dtype, on
+        the compute device: an offloaded shard is uploaded first, Note [offloaded shards])."""
+        shard = self.on_compute(self.shard)
         if self.compute_dtype == self.master_dtype:
-            return self.shard
-        return self.shard.to(self.compute_dtype)
+            return shard
+        return shard.to(self.compute_dtype)
+
+    def on_compute(self, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` (a shard-sized tensor of this handle) on the compute device: itself, or
+        an upload of it when the shard is offloaded."""
+        return shard if self.host is None else self.host.upload(shard)
+
+    def settle(self) -> None:
+        """Before a host write to an offloaded shard: wait until no upload can still read it."""
+        if self.host is not None:
+            self.host.settle()
+
+    def land_grads(self, grads: torch.Tensor, trainable: list[tuple[nn.Parameter, ParamSlot]]) -> PendingDownload | None:
+        """Give every parameter of ``trainable`` its rows of a reduced gradient shard ``grads``
+        (as its ``.grad``, or added to it); for an offloaded shard, start the download whose
+        record does that when it lands (Note [offloaded shards]).
+
+        Returns:
+            The download to land at the end of backward, or ``None`` (already given).
+        """
+        if self.host is None:
+            for p, slot in trainable:
+                land_grad(p, self.local_of(grads, slot))
+            return None
+        return self.host.download(grads, lambda host: [(p, self.local_of(host, s)) for p, s in trainable])
 
     def trainable(self) -> list[tuple[nn.Parameter, ParamSlot]]:
         """The parameters that currently require gradients, with their slots."""

@@ -27,13 +27,7 @@ from shardopt.nn.fsdp.compiling import keep_out_of_graphs
 from shardopt.nn.fsdp.construction import prepare
 from shardopt.nn.fsdp.context import StepContext
 from shardopt.nn.fsdp.flat_param import FlatParamHandle
-from shardopt.nn.fsdp.options import (
-    BackwardPrefetch,
-    MixedPrecision,
-    ShardingStrategy,
-    UnitConfig,
-    make_config,
-)
+from shardopt.nn.fsdp.options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, UnitConfig, make_config
 from shardopt.nn.fsdp.records import ForwardKind, TrainingState
 from shardopt.nn.fsdp.state_dict import WRAPPED, ParentLoad, WrappedStateDict, check_loadable, clean_name
 from shardopt.nn.fsdp.state_dict import load_sharded, sharded_state, under_prefix
@@ -81,6 +75,8 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: gather the next unit (recorded forward order) during a forward.
         backward_prefetch: when to gather the next unit during backward, or ``None``.
         limit_all_gathers: hold at most one prefetched, not yet used unit at a time.
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps every unit's shard and sharded
+            gradients in host memory, so the optimizer steps on the CPU (see :class:`CPUOffload`).
 
     Raises:
         ValueError: ``module`` is already wrapped, a shared parameter crosses units wrapped
@@ -105,6 +101,7 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
         limit_all_gathers: bool = True,
+        cpu_offload: CPUOffload | None = None,
     ) -> None:
         super().__init__()
         comm.require_initialized("FullyShardedDataParallel")
@@ -123,14 +120,14 @@ class FullyShardedDataParallel(nn.Module):
             )
         config = make_config(
             sharding_strategy, process_group, device_mesh, mixed_precision,
-            forward_prefetch, backward_prefetch, limit_all_gathers,
+            forward_prefetch, backward_prefetch, limit_all_gathers, cpu_offload,
         )
         ignored = {id(m) for top in (ignored_modules or ()) for m in top.modules()}
         arguments: list[tuple[str, object]] = [
             ("sharding_strategy", config.strategy.name), ("mixed_precision", config.mixed_precision),
             ("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch),
             ("limit_all_gathers", limit_all_gathers), ("sync_module_states", sync_module_states),
-            ("auto_wrap_policy", type(auto_wrap_policy).__qualname__),
+            ("auto_wrap_policy", type(auto_wrap_policy).__qualname__), ("cpu_offload", config.cpu_offload),
         ]
         prepare(module, config, arguments, sync_module_states, param_init_fn,  # Note [same weights at
                 lambda p: owner_of(p) is None)  # construction] in construction
@@ -167,7 +164,8 @@ class FullyShardedDataParallel(nn.Module):
         )
         if params:
             self._unit.handle = FlatParamHandle(
-                params, config.shard_rank, config.shard_size, config.mixed_precision.param_dtype
+                params, config.shard_rank, config.shard_size, config.mixed_precision.param_dtype,
+                config.cpu_offload.offload_params,
             )
         # Note [state dict through a parent] in state_dict
         parent_load = ParentLoad(self._unit, lambda: self.summon_full_params(recurse=True, writeback=True))
@@ -469,9 +467,9 @@ class FullyShardedDataParallel(nn.Module):
             ValueError: called on a nested unit, or ``max_norm``/``norm_type`` not positive.
         """
         self._require_root("clip_grad_norm_()")
-        sharded = [p for m in self._units() if m.unit.handle is not None for p in m.unit.handle.params]
+        handles = [m.unit.handle for m in self._units() if m.unit.handle is not None]
         others = [p for p in self.parameters() if owner_of(p) is None]
-        return grad_norm.clip_grad_norm(sharded, others, self._config, max_norm, norm_type)
+        return grad_norm.clip_grad_norm(handles, others, self._config, max_norm, norm_type)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Parameters as 1-D ``ShardedTensor`` pieces, buffers as tensors (Note [sharded state dict]).

@@ -58,18 +58,20 @@ def _is_piece(value: Any, slot: ParamSlot) -> bool:
 
 
 def _gather_piece(unit: Unit, slot: ParamSlot, piece: torch.Tensor) -> torch.Tensor:
+    """The full-shaped tensor of every rank's ``piece``, on ``piece``'s device; gathered on
+    the unit's compute device (an offloaded piece is on the host, Note [offloaded shards])."""
     handle = unit.handle
     assert handle is not None
     layout = handle.layout
-    shard = torch.zeros(layout.shard_numel, dtype=piece.dtype, device=piece.device)
+    shard = torch.zeros(layout.shard_numel, dtype=piece.dtype, device=handle.device)
     handle.local_of(shard, slot).copy_(piece)
     if unit.config.shard_size == 1:
         packed = shard
     else:
-        packed = torch.empty(layout.padded_numel, dtype=piece.dtype, device=piece.device)
+        packed = torch.empty(layout.padded_numel, dtype=piece.dtype, device=handle.device)
         comm.all_gather_into(packed, shard, unit.config.shard_group, label="shardopt::fsdp::optim_state").wait()
     # The parameter's rows, strided across the rank-major buffer (Note [flat parameter layout]).
-    return layout.rows_in(packed, slot).reshape(-1)[: slot.numel].reshape(slot.shape).clone()
+    return layout.rows_in(packed, slot).reshape(-1)[: slot.numel].reshape(slot.shape).to(piece.device, copy=True)
 
 
 def full_optim_state_dict(

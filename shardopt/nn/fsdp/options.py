@@ -1,5 +1,6 @@
 """Configuration of ``FullyShardedDataParallel``: the public policy types
-(:class:`ShardingStrategy`, :class:`BackwardPrefetch`, :class:`MixedPrecision`), and the
+(:class:`ShardingStrategy`, :class:`BackwardPrefetch`, :class:`MixedPrecision`,
+:class:`CPUOffload`), and the
 frozen per-wrapper configuration that nested units inherit (:class:`UnitConfig`), built and
 checked from the constructor's arguments by :func:`make_config`.
 
@@ -18,6 +19,7 @@ from shardopt import comm
 
 __all__ = [
     "BackwardPrefetch",
+    "CPUOffload",
     "MixedPrecision",
     "ShardingStrategy",
     "UnitConfig",
@@ -90,6 +92,35 @@ class MixedPrecision:
 
 
 @dataclass(frozen=True)
+class CPUOffload:
+    """Where the sharded parameters and their gradients live (torch FSDP1's ``CPUOffload``).
+
+    With ``offload_params=True`` each unit's shard (this rank's rows of its parameters in
+    their original dtype, what the optimizer steps) and the sharded gradients live in host
+    memory, pinned when the module is on a CUDA device, so the optimizer and its state run
+    on the CPU. A unit's shard is copied to the compute device before its all-gather, and
+    its reduced gradient shard is copied back to the host after the reduction; the gathered
+    parameters, the unreduced gradients and ``no_sync``'s accumulated gradients stay on the
+    compute device (Note [offloaded shards] in ``shardopt.nn.fsdp.offload``).
+
+    Attributes:
+        offload_params: keep the sharded parameters and gradients in host memory.
+
+    Raises:
+        TypeError: ``offload_params`` is not a bool.
+    """
+
+    offload_params: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload_params, bool):
+            raise TypeError(
+                f"CPUOffload.offload_params must be a bool, got {self.offload_params!r}; "
+                "use CPUOffload(offload_params=True)"
+            )
+
+
+@dataclass(frozen=True)
 class UnitConfig:
     """What every unit of one wrapped model shares; nested units inherit it whole.
 
@@ -105,6 +136,7 @@ class UnitConfig:
         forward_prefetch: gather the next unit (in recorded forward order) during a forward.
         backward_prefetch: when to gather the next unit in backward, or ``None``.
         limit_all_gathers: allow at most one prefetched, not yet used unit at a time.
+        cpu_offload: where the shards and their gradients live.
     """
 
     strategy: ShardingStrategy
@@ -117,6 +149,7 @@ class UnitConfig:
     forward_prefetch: bool
     backward_prefetch: BackwardPrefetch | None
     limit_all_gathers: bool
+    cpu_offload: CPUOffload
 
     @property
     def world_size(self) -> int:
@@ -137,6 +170,7 @@ def make_config(
     forward_prefetch: bool,
     backward_prefetch: BackwardPrefetch | None,
     limit_all_gathers: bool,
+    cpu_offload: CPUOffload | None,
 ) -> UnitConfig:
     """Check the constructor's policy arguments and resolve the process groups.
 
@@ -157,6 +191,14 @@ def make_config(
         raise TypeError(
             f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}; "
             "use MixedPrecision(param_dtype=torch.bfloat16, ...)"
+        )
+    if cpu_offload is None:
+        cpu_offload = CPUOffload()
+    if not isinstance(cpu_offload, CPUOffload):
+        raise TypeError(
+            f"cpu_offload must be a shardopt CPUOffload or None, got {cpu_offload!r} "
+            f"({type(cpu_offload).__module__}.{type(cpu_offload).__qualname__}); use "
+            "cpu_offload=CPUOffload(offload_params=True) with `from shardopt.nn.fsdp import CPUOffload`"
         )
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
         raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
@@ -199,4 +241,5 @@ def make_config(
         forward_prefetch=bool(forward_prefetch),
         backward_prefetch=backward_prefetch,
         limit_all_gathers=bool(limit_all_gathers),
+        cpu_offload=cpu_offload,
     )

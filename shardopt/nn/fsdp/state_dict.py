@@ -285,6 +285,9 @@ def load_sharded(units: list[Unit], named_params: dict[str, nn.Parameter],
                          f"dtype {bad[0][2]} for a target of shape {bad[0][0]} and dtype {bad[0][3]}); build it with "
                          "this model's sharded_state_dict() and fill it with torch.distributed.checkpoint.load. "
                          "Nothing was loaded")
+    for unit in units:
+        if unit.handle is not None:
+            unit.handle.settle()  # no upload still reads an offloaded shard (Note [offloaded shards])
     with torch.no_grad():
         for dst, src in copies:
             dst.copy_(src)

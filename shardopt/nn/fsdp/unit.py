@@ -485,7 +485,8 @@ class Unit:
         return PendingReduce(self, work, out, trainable)
 
     def finish_reduce_(self, pending: PendingReduce) -> None:
-        """Wait for a reduction and add the reduced shard to the parameters' gradients."""
+        """Wait for a reduction and give the reduced shard to the parameters' gradients (set,
+        or added to the ones they hold)."""
         self._wait(pending.work, "gradient reduction")
         reduced = pending.reduced
         if self.config.shard_size > 1 and self.config.replicate_size > 1:
@@ -494,14 +495,8 @@ class Unit:
         keep_low = self.config.mixed_precision.keep_low_precision_grads
         master = self.handle.master_dtype
         grads = reduced if keep_low or reduced.dtype == master else reduced.to(master)
-        for p, slot in pending.trainable:
-            piece = self.handle.local_of(grads, slot)
-            if p.grad is None:
-                if piece.dtype != p.dtype:
-                    p.grad_dtype = None  # keep_low_precision_grads: a grad of another dtype, on purpose
-                p.grad = piece
-            else:
-                p.grad.add_(piece)
+        # An offloaded shard's gradients land at the end of backward (Note [offloaded shards] in offload).
+        self._ctx().track_download(self.handle.land_grads(grads, pending.trainable))
 
     def reset_step_(self) -> None:
         """Forget this step's forward/backward bookkeeping (end of backward)."""
@@ -549,6 +544,7 @@ class Unit:
     def _gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         handle = self.handle
         assert handle is not None
+        shard = handle.on_compute(shard)  # an offloaded shard is gathered on the compute device
         if self.config.shard_size == 1:
             return shard
         full = torch.empty(handle.layout.padded_numel, dtype=shard.dtype, device=shard.device)
