@@ -321,10 +321,11 @@ def estimate_plans(
 #     the owner's reduced share goes to the host as it arrives. Between backward and the step
 #     those reduced gradients wait in host tensors of their own, which the step's fold copies
 #     into the buffer and frees: the host peaks at (K + 8 + mirror) / N = 20 / N there;
-#   ZeRO-3 + offload: shardopt's FullyShardedDataParallel has no offload yet; torch FSDP2's
-#     CPUOffloadPolicy (bench mode fsdp2-offload) keeps the parameter shard, its gradient and
-#     the moments on the host, (K + 4 + mirror) / N again (its fp32 shard plays the mirror or
-#     the master), and on the device only the units it gathers in flight: 0 per parameter.
+#   ZeRO-3 + offload: FullyShardedDataParallel(cpu_offload=CPUOffload(offload_params=True))
+#     (Note [offloaded shards] in shardopt.nn.fsdp.offload), like torch FSDP2's CPUOffloadPolicy,
+#     keeps the parameter shard, its gradient and the moments on the host, (K + 4 + mirror) / N
+#     again (its fp32 shard plays the mirror or the master), and on the device only the units
+#     it gathers in flight: 0 per parameter.
 # Adam's 0-dim step count adds 4 bytes per stepped tensor (one flat tensor per param group and
 # one per unaligned master: Note [flat masters] in shardopt.optim.flat_masters), and a real
 # plan replaces Psi / N by what the rank owns (Note [the formula and the plan]).

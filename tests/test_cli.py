@@ -79,7 +79,8 @@ BAD_ARGUMENTS = [
     (["demo", "--save-every", "5"], "--save-every needs --checkpoint PATH (where to save)"),
     (["demo", "--mode", "torch-zero", "--checkpoint", "x.pt"], "--checkpoint is not supported with mode "
      "'torch-zero' (shardopt cannot consolidate its optimizer state); use one of ddp, ddp-amp, zero1, zero1-offload, "
-     "zero2, zero2-offload, zero2-split, zero1-hybrid, zero2-hybrid, zero3, fsdp2, fsdp2-reshard, fsdp2-offload"),
+     "zero2, zero2-offload, zero2-split, zero1-hybrid, zero2-hybrid, zero3, zero3-offload, fsdp2, fsdp2-reshard, "
+     "fsdp2-offload"),
     (["demo", "--resume", "--resume-if-exists"], "argument --resume-if-exists: not allowed with argument --resume"),
     (["bench", "--steps", "2"], "--steps 2 leaves nothing to measure after --warmup-steps 2"),
     (["bench", "--plot", "x.png"], "--plot needs matplotlib"),

@@ -1,4 +1,4 @@
-"""The offload modes of ``shardopt bench`` / ``demo`` (Note [offload modes] in
+"""The offload modes of ``shardopt bench`` / ``demo`` (zero1/zero2/zero3-offload, fsdp2-offload; Note [offload modes] in
 shardopt.app.offload_modes): each trains end to end on 2 CPU ranks, equals its mode without
 offload bit for bit, resumes from its own checkpoint, and the report splits the model states
 into those on the training device and those offloaded to the host; ``ddp-amp`` autocasts the
@@ -25,8 +25,8 @@ from tests.helpers.cli import TINY, assert_one_line_errors
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
-BENCHED = ("zero1", "zero1-offload", "zero2", "zero2-offload", "zero2-offload-bf16m", "fsdp2-reshard", "fsdp2-offload",
-           "ddp-amp")
+BENCHED = ("zero1", "zero1-offload", "zero2", "zero2-offload", "zero2-offload-bf16m", "zero3-offload", "fsdp2-reshard",
+           "fsdp2-offload", "ddp-amp")
 PAIRS = (("zero1-bf16m", "zero1-offload-bf16m"), ("zero2-bf16m", "zero2-offload-bf16m"),
          ("zero2-bf16m-bf16reduce", "zero2-offload-bf16m-bf16reduce"))
 """Each mode with fp32 masters and its offloaded form."""
@@ -63,28 +63,30 @@ def test_offload_modes_train_bit_for_bit_as_without_offload_and_report_host_stat
     # per-parameter one (Note [aligned segments] in shardopt.optim.flat_masters), the copies to
     # and from the host are exact, and at 2 ranks in fp32 every one of these modes sums and
     # halves the two gradients as DDP does. So their parameters are DDP's, bit for bit.
-    for name in ("zero1-offload", "zero2-offload", "fsdp2-offload"):
+    for name in ("zero1-offload", "zero2-offload", "zero3-offload", "fsdp2-offload"):
         assert results[name]["max_param_diff"] == 0.0, (name, results[name]["max_param_diff"])
         assert [k["final_loss"] for k in results[name]["ranks"]] == [k["final_loss"] for k in results["ddp"]["ranks"]]
-    # Model states counted after each update (Note [counting offloaded state] in shardopt.app.state_count):
-    # offloaded to the host, 16 bytes per owned element (master or mirror 4, Adam's moments 8, the gradient
-    # buffer kept between steps 4) plus Adam's 4-byte step count per stepped tensor (a flat tensor per rank and
-    # one per unaligned master: at most one per parameter and rank); on the device only the parameters.
+    # Model states (Note [counting offloaded state] in shardopt.app.state_count): offloaded to the host at the
+    # update, 16 bytes per owned element (master or mirror 4, Adam's moments 8, the gradient buffer kept between
+    # steps 4) plus Adam's 4-byte step count per stepped tensor (a flat tensor per rank and one per unaligned
+    # master: at most one per parameter and rank); on the device after the step only the parameters, and with
+    # fp32 mirrors a one-element placeholder in the .grad of each owned parameter (its gradient stays on the host)
     for name, width in (("zero2-offload", 4), ("zero2-offload-bf16m", 2)):
         ranks = results[name]["ranks"]
-        assert all(k["device_state_bytes"] == width * psi for k in ranks), (name, ranks)
+        assert all(0 <= k["device_state_bytes"] - width * psi <= (4 * tensors if width == 4 else 0) for k in ranks), (
+            name, ranks)
         extra = sum(k["host_state_bytes"] for k in ranks) - 16 * psi
         assert 0 < extra <= 4 * (tensors + 2) and extra % 4 == 0, (name, extra)
-    # ZeRO-1's DDP keeps the gradients of the parameters a rank does not own on the device at the update (the
-    # owned ones were folded into the host buffer)
+    # ZeRO-1 keeps the fp32 parameters and DDP's gradients on the device (the owned ones handed back after the step)
     zero1 = results["zero1-offload"]["ranks"]
-    assert sum(k["device_state_bytes"] for k in zero1) == 2 * 4 * psi + 4 * psi
+    assert all(k["device_state_bytes"] == 2 * 4 * psi for k in zero1), zero1
     assert [k["host_state_bytes"] for k in zero1] == [k["host_state_bytes"] for k in results["zero2-offload"]["ranks"]]
-    # FSDP2 offloads its parameter shards too: nothing between steps on the device, 16 bytes per element of a
-    # rank's shard (shards of the tiny model's even dim-0 sizes need no padding) plus the step counts
-    fsdp2 = results["fsdp2-offload"]["ranks"]
-    assert all(k["device_state_bytes"] == 0 for k in fsdp2)
-    assert all(0 < k["host_state_bytes"] - 16 * psi // 2 <= 4 * tensors for k in fsdp2), fsdp2
+    # ZeRO-3 and FSDP2 offload the parameter shards too: nothing between steps on the device, 16 bytes per element
+    # of a rank's shard (the tiny model splits evenly over 2 ranks: no padding) plus the step counts
+    for name in ("zero3-offload", "fsdp2-offload"):
+        ranks = results[name]["ranks"]
+        assert all(k["device_state_bytes"] == 0 for k in ranks), (name, ranks)
+        assert all(0 < k["host_state_bytes"] - 16 * psi // 2 <= 4 * tensors for k in ranks), (name, ranks)
     for name in ("ddp", "zero1", "zero2", "ddp-amp"):  # counted, nothing offloaded
         assert all(k["host_state_bytes"] == 0 and k["device_state_bytes"] > 0 for k in results[name]["ranks"]), name
     assert all(k["device_state_bytes"] is None for k in results["fsdp2-reshard"]["ranks"])  # a peer's: not counted
@@ -92,7 +94,7 @@ def test_offload_modes_train_bit_for_bit_as_without_offload_and_report_host_stat
         "device_state_bytes"]
     printed = capfd.readouterr().out
     caption = " ".join(printed.split())
-    for text in ("states on device / on host = parameters, gradients, masters and optimizer state at the update",
+    for text in ("states on device / on host = parameters, gradients, masters and optimizer state counted from",
                  "on CPU ranks (gloo) the device is host memory too"):
         assert text in caption, text
 
@@ -114,7 +116,7 @@ def _demo(tmp_path: Path, name: str, *extra: str) -> list[float]:
 
 
 def test_offload_modes_resume_from_their_own_checkpoints_and_scale_fp16(tmp_path: Path) -> None:
-    for mode in ("zero2-offload", "fsdp2-offload", "ddp-amp"):
+    for mode in ("zero2-offload", "zero3-offload", "fsdp2-offload", "ddp-amp"):
         ckpt = str(tmp_path / f"ckpt-{mode}")
         straight = _demo(tmp_path, f"{mode}-straight", "--mode", mode, "--steps", "5")
         _demo(tmp_path, f"{mode}-first", "--mode", mode, "--steps", "2", "--checkpoint", ckpt)
@@ -185,14 +187,14 @@ def test_estimate_offload_shows_device_and_host_bytes_per_parameter(tmp_path: Pa
         "host_bytes"] == 16 * psi / 64
     printed = " ".join(capsys.readouterr().out.split())
     for text in ("device and host memory, 64 ranks, bf16 params + fp32 masters, Adam: without and with offload",
-                 "zero2-offload-bf16m", "ZeRO-3 + offload is torch FSDP2's CPUOffloadPolicy"):
+                 "zero2-offload-bf16m", "ZeRO-3 + offload: FullyShardedDataParallel(cpu_offload=CPUOffload("):
         assert text in printed, text
     assert main(["estimate", "--params", "1e9", "--world-size", "8", "--fp32", "--offload", "cpu", "--json",
                  str(out)]) == 0
     rows = {(r["stage"], r["offload"]): r for r in _json(out)["offload"]}
     # fp32: the host keeps a 4-byte mirror besides Adam's 8 and the 4-byte gradient buffer
     assert (rows[("ZeRO-2", True)]["device_bytes_per_param"], rows[("ZeRO-2", True)]["host_bytes_per_param"]) == (4, 2)
-    assert rows[("ZeRO-3", True)]["bench_mode"] == "fsdp2-offload" and rows[("ZeRO-1", True)]["device_bytes"] == 8e9
+    assert rows[("ZeRO-3", True)]["bench_mode"] == "zero3-offload" and rows[("ZeRO-1", True)]["device_bytes"] == 8e9
     assert main(["estimate", "--params", "1e9", "--world-size", "8", "--json", str(out)]) == 0
     assert _json(out)["offload"] is None
     assert_one_line_errors([(["estimate", "--params", "1e9", "--world-size", "8", "--offload", "nvme"],
@@ -200,14 +202,15 @@ def test_estimate_offload_shows_device_and_host_bytes_per_parameter(tmp_path: Pa
 
 
 def _offloaded_bytes(rank: int, world_size: int) -> dict[str, dict[str, int]]:
-    """Host and device model-state bytes of OSS(offload="cpu") at the update (counted as the bench
-    counts them) and the ZeRO-2 host bytes between backward and the step, with what this rank owns."""
+    """Model-state bytes of OSS(offload="cpu") counted as the bench counts them (host at the update,
+    device after the step), the ZeRO-2 host bytes between backward and the step, and what this rank owns."""
     import weakref
 
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from shardopt.app.state_count import count_states
+    from shardopt.app.state_count import StateCount
+    from shardopt.app.wrapping import Wrapped, plain_no_sync
     from shardopt.nn import ShardedDataParallel
     from shardopt.optim import OSS
 
@@ -220,17 +223,15 @@ def _offloaded_bytes(rank: int, world_size: int) -> dict[str, dict[str, int]]:
             opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3, offload="cpu",
                       master_dtype=torch.float32 if dtype != torch.float32 else None)
             wrapped: nn.Module = DDP(model) if stage == "zero1" else ShardedDataParallel(model, opt)
+            states = StateCount(Wrapped(wrapped, model, opt, plain_no_sync, opt.zero_grad, offloaded=True))
             masters = [m for m in (opt.master_of(p) for p in opt.params) if m is not None]
-            at_update: list[tuple[int, int]] = []
             buffer: list[Any] = []
 
-            def counted(*_: object, wrapped: nn.Module = wrapped, opt: OSS = opt, masters: list[Any] = masters,
-                        at_update: list[tuple[int, int]] = at_update, buffer: list[Any] = buffer) -> None:
-                at_update.append(count_states([wrapped], opt, True))
+            def kept(*_: object, masters: list[Any] = masters, buffer: list[Any] = buffer) -> None:
                 grad = masters[0].grad  # a view of the gradient buffer, which OSS keeps for the next step
                 buffer[:] = [weakref.ref(grad), grad.untyped_storage().data_ptr(), grad.untyped_storage().nbytes()]
 
-            handle = opt.optim.register_step_post_hook(counted)
+            handle = opt.optim.register_step_post_hook(kept)
             torch.manual_seed(1 + rank)
             for step in range(3):
                 opt.zero_grad()
@@ -240,12 +241,15 @@ def _offloaded_bytes(rank: int, world_size: int) -> dict[str, dict[str, int]]:
                                for m in masters if m.grad is not None}
                 opt.step()
             handle.remove()
-            stepped = len([p for g in opt.optim.param_groups for p in g["params"]])
+            states.remove()
+            assert states.device_bytes is not None and states.host_bytes is not None
             alive = buffer[0]() is not None and buffer[1] not in waiting
             out[f"{stage}/{dtype}"] = {
-                "device": at_update[-1][0], "host": at_update[-1][1], "owned": sum(m.numel() for m in masters),
-                "stepped": stepped, "psi": sum(p.numel() for p in model.parameters()),
+                "device": states.device_bytes, "host": states.host_bytes, "owned": sum(m.numel() for m in masters),
+                "stepped": len([p for g in opt.optim.param_groups for p in g["params"]]),
+                "psi": sum(p.numel() for p in model.parameters()),
                 "not_owned": sum(p.numel() for p in opt.params if opt.owned_rows(p) is None),
+                "owned_params": sum(1 for p in opt.params if opt.owned_rows(p) is not None),
                 "waiting": sum(waiting.values()), "buffer": buffer[2] if alive else 0}
     return out
 
@@ -267,13 +271,17 @@ def test_offloaded_host_bytes_measured_at_two_ranks_equal_the_formula() -> None:
             # exactly the formula, plus Adam's 4-byte step count per stepped tensor (not in the formula)
             assert r[key]["host"] == per_owned * r[key]["owned"] + 4 * r[key]["stepped"], (key, r[key])
             width = 2 if mixed else 4
-            if stage == "zero2":  # the parameters only, and none of the gradients, stay on the device
-                assert r[key]["device"] == row.device * psi == width * psi, (key, r[key])
+            if stage == "zero2":
+                # the parameters only; an fp32 mirror's gradient stays on the host after the step (Note [mirrors carry
+                # gradients] in shardopt.optim.masters) behind a one-element placeholder in param.grad
+                assert r[key]["device"] == row.device * psi + (0 if mixed else 4 * r[key]["owned_params"]), (key, r[key])
                 # before the step the reduced gradients wait on the host beside the kept buffer: the formula's
                 # host peak is 4 bytes per owned element above the update's (on CPU ranks they are views of the
                 # received reduction, a few elements more than the rank owns)
                 assert r[key]["buffer"] == 4 * r[key]["owned"], (key, r[key])
                 assert r[key]["waiting"] >= (row.host_peak - row.host) * 2 * r[key]["owned"], (key, r[key])
-            else:  # the parameters, and DDP's gradients of the parameters this rank owns no rows of (the step
-                # folded the others, whole, into the host buffer and freed them; the formula counts all: after backward)
+            elif mixed:  # the parameters, and DDP's gradients of the parameters this rank owns no rows of: the step
+                # folded the others, whole, into the host buffer and freed them (the formula counts all: after backward)
                 assert r[key]["device"] == width * (psi + r[key]["not_owned"]), (key, r[key])
+            else:  # fp32: the parameters and DDP's gradients, the owned ones handed back after the step
+                assert r[key]["device"] == row.device * psi == 2 * width * psi, (key, r[key])

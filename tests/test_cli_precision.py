@@ -69,7 +69,7 @@ PRECISION_ERRORS = [
      "zero2-bf16m-bf16reduce, zero2-offload, zero2-offload-bf16m, zero2-offload-bf16m-bf16reduce, zero2-split, "
      "zero2-split-bf16, zero2-split-bf16m, zero2-split-bf16m-bf16reduce, zero1-hybrid, zero1-hybrid-bf16, "
      "zero1-hybrid-bf16m, zero2-hybrid, zero2-hybrid-bf16, zero2-hybrid-bf16m, zero2-hybrid-bf16m-bf16reduce, "
-     "zero3, torch-zero")),
+     "zero3, zero3-offload, torch-zero")),
     (["bench", "--modes", "deepspeed-zero2-bf16m"],
      "none of --modes can run here: mode 'deepspeed-zero2' needs deepspeed, which is not installed"),
 ]

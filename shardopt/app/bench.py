@@ -314,10 +314,11 @@ def _per_rank(result: ModeResult, key: str, fmt: Callable[[Any], str]) -> str:
 
 
 _STATES_CAPTION = (
-    "; states on device / on host = parameters, gradients, masters and optimizer state at the update, counted from "
-    "their storages, on the device the ranks train on / offloaded to host memory (Note \\[counting offloaded state] "
-    "in shardopt.app.state_count; n/a: a peer's mode, not counted); on CPU ranks (gloo) the device is host memory "
-    "too: the heap holds both columns, and offload saves nothing there (fp32 parameters get host mirrors besides)")
+    "; states on device / on host = parameters, gradients, masters and optimizer state counted from their storages, "
+    "on the device the ranks train on after the step / offloaded to host memory at the update (Note \\[counting "
+    "offloaded state] in shardopt.app.state_count; n/a: a peer's mode, not counted); on CPU ranks (gloo) the device "
+    "is host memory too: the heap holds both columns, and offload saves nothing there (it adds host copies: OSS's "
+    "fp32 mirrors)")
 
 
 def _x(value: float | None) -> str:

@@ -16,8 +16,10 @@ ZeRO-2, Note [zero2-hybrid mode]), ``zero3``
 default ``zero_grad()``), ``fsdp2`` and ``fsdp2-reshard`` (torch ``fully_shard`` with
 ``reshard_after_forward`` False and True), ``deepspeed-zero2`` (DeepSpeed's ZeRO-2 engine
 with bf16 parameters and fp32 masters, torch Adam). ``ddp-amp`` (DDP, bf16 autocast, fused
-Adam), ``zero1-offload``, ``zero2-offload`` (``OSS(..., offload="cpu")``) and the peer
-``fsdp2-offload`` are built in :mod:`shardopt.app.offload_modes` (Note [offload modes]).
+Adam), ``zero1-offload``, ``zero2-offload`` (``OSS(..., offload="cpu")``), ``zero3`` and
+``zero3-offload`` (``cpu_offload=CPUOffload(offload_params=True)``) and the peers ``fsdp2``,
+``fsdp2-reshard`` and ``fsdp2-offload`` are built in :mod:`shardopt.app.offload_modes` (Note
+[offload modes]).
 
 A mode runs at one :class:`~shardopt.app.precision.Precision` out of those it lists in
 :attr:`Mode.precisions`; :func:`resolve` reads a bench mode name such as
@@ -36,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardopt.app.offload_modes import build_ddp_amp, build_zero1_offload, build_zero2_offload, fsdp2_builder
+from shardopt.app.offload_modes import (build_ddp_amp, build_zero1_offload, build_zero2_offload, fsdp2_builder,
+                                        zero3_builder)
 from shardopt.app.precision import Precision
 from shardopt.app.wrapping import Builder, Setup, Wrapped, ddp_of, oss_of
 from shardopt.hybrid import HybridLayout, resolve_layout
@@ -226,18 +229,6 @@ def _build_zero2_hybrid(module: nn.Module, setup: Setup) -> Wrapped:
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True))
 
 
-def _build_zero3(module: nn.Module, setup: Setup) -> Wrapped:
-    from shardopt.nn.fsdp import FullyShardedDataParallel, ModuleClassPolicy
-
-    blocks = getattr(module, "blocks", None)  # one unit per transformer block of the built-in GPT
-    policy = ModuleClassPolicy((type(blocks[0]),)) if isinstance(blocks, nn.ModuleList) and len(blocks) else None
-    # Forward prefetch, as FSDP2 does by default: the like-for-like comparison.
-    model = FullyShardedDataParallel(module, auto_wrap_policy=policy, forward_prefetch=True)
-    opt = torch.optim.Adam(model.parameters(), lr=setup.lr)
-    return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True), sharded_params=True,
-                   checkpoint_target=model)
-
-
 def _build_torch_zero(module: nn.Module, setup: Setup) -> Wrapped:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -354,7 +345,9 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ("shardopt.nn", "ShardedDataParallel"), _OWN_HINT, _build_zero2_hybrid, fp16_scaler="sharded",
          precisions=_MASTERS, reduce_dtypes=("fp32", "bf16"), hybrid=True),
     Mode("zero3", "shardopt FullyShardedDataParallel (ZeRO-3)", ("shardopt.nn.fsdp", "FullyShardedDataParallel"),
-         _OWN_HINT, _build_zero3, fp16_scaler="sharded"),
+         _OWN_HINT, zero3_builder(False), fp16_scaler="sharded"),
+    Mode("zero3-offload", "shardopt ZeRO-3, cpu_offload=CPUOffload(offload_params=True)",
+         ("shardopt.nn.fsdp", "CPUOffload"), _OWN_HINT, zero3_builder(True), fp16_scaler="sharded"),
     Mode("torch-zero", "DDP + torch ZeroRedundancyOptimizer", ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
          "it ships with torch.distributed", _build_torch_zero, peer=True, fp16_scaler="torch", checkpoints=False),
     Mode("fairscale", "fairscale OSS + ShardedDDP, zero_grad(set_to_none=False)", ("fairscale", "__version__"),

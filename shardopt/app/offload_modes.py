@@ -1,7 +1,9 @@
-"""The builders of the offload modes, of torch's FSDP2 modes and of the autocast baseline.
+"""The builders of the offload modes, of the ZeRO-3 and torch FSDP2 modes (with and without
+offload) and of the autocast baseline.
 
 Registered in :data:`shardopt.app.modes.MODES` (Note [offload modes]): ``ddp-amp``,
-``zero1-offload``, ``zero2-offload``, ``fsdp2``, ``fsdp2-reshard`` and ``fsdp2-offload``.
+``zero1-offload``, ``zero2-offload``, ``zero3``, ``zero3-offload``, ``fsdp2``,
+``fsdp2-reshard`` and ``fsdp2-offload``.
 
 Note [offload modes]
 - ``ddp-amp``: torch DDP over fp32 parameters, the forward and loss under ``torch.autocast``
@@ -16,6 +18,10 @@ Note [offload modes]
   :mod:`shardopt.optim.masters`). On CPU ranks the arithmetic is that of the mode without
   offload, bit for bit (the same kernels on the same values), so their losses and
   parameters equal ``zero1`` / ``zero2``'s.
+- ``zero3-offload``: ``zero3`` with ``cpu_offload=CPUOffload(offload_params=True)``: every
+  unit's shard and its reduced gradient live in host memory, so Adam and its state run there
+  (Note [offloaded shards] in :mod:`shardopt.nn.fsdp.offload`); on CPU ranks bit for bit the
+  arithmetic of ``zero3``.
 - ``fsdp2-offload``: torch ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` with
   ``reshard_after_forward=True`` (torch's default), the peer: FSDP2 keeps the parameter
   shards, their gradients and the optimizer state on the host and steps there. torch's
@@ -33,7 +39,7 @@ from torch import nn
 
 from shardopt.app.wrapping import Builder, Setup, Wrapped, ddp_of, oss_of, plain_no_sync
 
-__all__ = ["build_ddp_amp", "build_zero1_offload", "build_zero2_offload", "fsdp2_builder"]
+__all__ = ["build_ddp_amp", "build_zero1_offload", "build_zero2_offload", "fsdp2_builder", "zero3_builder"]
 
 OFFLOAD = "cpu"
 """Where the offload modes keep the optimizer's side: ``OSS(offload=...)``."""
@@ -62,6 +68,25 @@ def build_zero2_offload(module: nn.Module, setup: Setup) -> Wrapped:
     opt = oss_of(module, setup, split_large_params=False, offload=OFFLOAD)
     model = ShardedDataParallel(module, opt, reduce_dtype=setup.precision.wire_dtype)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True), offloaded=True)
+
+
+def zero3_builder(offload: bool) -> Builder:
+    """shardopt's FullyShardedDataParallel, one unit per block of the built-in GPT, forward
+    prefetch on; with ``offload`` under ``CPUOffload(offload_params=True)`` (Note [offload modes])."""
+
+    def build(module: nn.Module, setup: Setup) -> Wrapped:
+        from shardopt.nn.fsdp import CPUOffload, FullyShardedDataParallel, ModuleClassPolicy
+
+        blocks = getattr(module, "blocks", None)  # one unit per transformer block of the built-in GPT
+        policy = ModuleClassPolicy((type(blocks[0]),)) if isinstance(blocks, nn.ModuleList) and len(blocks) else None
+        # Forward prefetch, as FSDP2 does by default: the like-for-like comparison.
+        model = FullyShardedDataParallel(module, auto_wrap_policy=policy, forward_prefetch=True,
+                                         cpu_offload=CPUOffload(offload_params=offload))
+        opt = torch.optim.Adam(model.parameters(), lr=setup.lr)
+        return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True),
+                       sharded_params=True, checkpoint_target=model, offloaded=offload)
+
+    return build
 
 
 def fsdp2_builder(reshard_after_forward: bool, offload: bool = False) -> Builder:

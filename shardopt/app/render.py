@@ -138,8 +138,8 @@ def demo_table(job: runner.TrainJob, reports: Sequence[runner.RankReport]) -> Ta
                   caption=f"final loss (mean over ranks) {mean_loss:.4f}; {tokens_s} tokens/s; steps "
                           f"{first.start_step}->{job.steps}, statistics over {first.counted_steps} steps after "
                           f"{job.warmup_steps} warm-up; heap is relative to before the model was built"
-                          + (f"; states: model states at the update on the training device and offloaded to the "
-                             f"host{' (CPU ranks: both in host memory, both in the heap)' if not on_gpu else ''}"
+                          + ("; states: model states on the training device after the step and offloaded to the "
+                             "host at the update" + ("" if on_gpu else " (CPU ranks: both in host memory, both in the heap)")
                              if offload else "")
                           + (f"; checkpoint: {job.checkpoint_path}" if job.checkpoint_path else ""))
     hybrid = job.shard_size is not None  # bytes by group: Note [bytes per group] in shardopt.app.group_bytes
@@ -421,7 +421,7 @@ _OFFLOAD_MODES: dict[str, dict[tuple[str, bool], str | None]] = {
               ("ZeRO-3", True): None},
     "fp32": {("DDP", False): "ddp", ("ZeRO-1", False): "zero1", ("ZeRO-1", True): "zero1-offload",
              ("ZeRO-2", False): "zero2", ("ZeRO-2", True): "zero2-offload", ("ZeRO-3", False): "zero3",
-             ("ZeRO-3", True): "fsdp2-offload"},
+             ("ZeRO-3", True): "zero3-offload"},
 }
 
 
@@ -462,9 +462,10 @@ def render_offload(rows: Sequence[StageBytes], num_params: int, mixed: bool, std
                           "fp32 gradient buffer in host memory and steps there; device: ZeRO-1 counts DDP's full "
                           "gradients, ZeRO-2 no gradients (only in flight: autograd's until its bucket is reduced, "
                           "and the buckets, a constant); host peak: ZeRO-2's reduced gradients wait in host tensors "
-                          "of their own until the step; ZeRO-3 + offload is torch FSDP2's CPUOffloadPolicy (shardopt's "
-                          "ZeRO-3 has no offload yet), the units it gathers not counted; Adam's step counts (4 bytes "
-                          "per stepped tensor) not counted; docs/memory.md")
+                          "of their own until the step; ZeRO-3 + offload: FullyShardedDataParallel(cpu_offload=CPUOffload("
+                          "offload_params=True)) keeps the shard, its gradient and Adam's state on the host (torch "
+                          "FSDP2's CPUOffloadPolicy the same), the units it gathers not counted; Adam's step counts "
+                          "(4 bytes per stepped tensor) not counted; docs/memory.md")
     for name in ("stage", "offload", "bench mode"):
         table.add_column(name, no_wrap=True)
     for name in ("device B/param", "host B/param", "host peak B/param", "device GB/rank", "host GB/rank"):

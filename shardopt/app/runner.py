@@ -145,7 +145,7 @@ class RankReport:
         compiled_graphs: with ``--compile``, the graphs ``torch.compile`` compiled on this
             rank (the blocks of one shape share one), else ``None``.
         device_state_bytes: model states (parameters, gradients, masters, optimizer state) on
-            the device the rank trains on at the last update, counted from their storages
+            the device the rank trains on after the last step, counted from their storages
             (Note [counting offloaded state] in :mod:`shardopt.app.state_count`); ``None`` for
             peers' modes other than an offload one.
         host_state_bytes: the model states the mode offloads to host memory at the last

@@ -4,24 +4,27 @@ device it trains on and those offloaded to host memory (Note [counting offloaded
 Note [counting offloaded state]
 The heap column of the demo and the bench is malloc's view of the process: on CPU ranks it
 is everything, device and host alike, and on a GPU the offloaded buffers are pinned memory
-from CUDA's host allocator, which malloc does not see. So the offloaded bytes are counted
-from the tensors themselves: the distinct storages (``untyped_storage()``, once each, at
-their current size) of
+from CUDA's host allocator, which malloc does not see. So the model states are counted from
+the tensors themselves: the distinct storages (``untyped_storage()``, once each, at their
+current size) of
   host:   with offload (:attr:`Wrapped.offloaded <shardopt.app.wrapping.Wrapped.offloaded>`),
           the optimizer's stepped tensors (OSS's masters: the wrapped optimizer's parameters
           and ``OSS.master_of(p)`` for every parameter; FSDP2's parameter shards), their
           gradients and every tensor of the optimizer's state (Adam's two moments and its
           0-dim ``step``, 4 bytes per stepped tensor);
-  device: the model's parameters and their gradients not counted above, and without
+  device: the model's parameters and their gradients not counted as host, and without
           offload the stepped tensors and state too.
-A DTensor (FSDP2) is counted by its local shard. When: inside the step, right after the
-wrapped optimizer's update (a step post-hook on ``OSS.optim``, or on the torch optimizer):
-the gradients the update used still exist there (OSS frees the masters' gradients after it,
-keeping an offloaded buffer for the next step, which ``master.grad`` views then), so the
-count is the state's size at the update. Not counted: activations, communication buckets,
-FSDP's gathered parameters, allocator overhead. OSS rebuilds its wrapped optimizer when
-ownership changes (``refresh_trainable``, ``add_param_group``, ``load_state_dict``), so the
-runner installs the count after any resume, when the demo changes nothing more.
+A DTensor (FSDP2) is counted by its local shard. When: the host side right after the update
+of the optimizer that steps the masters (a step post-hook on ``OSS.optim``), where the
+gradients it used still exist (OSS then frees the masters' gradients, keeping an offloaded
+buffer for the next step that no tensor views until then); the device side after the whole
+step (a post-hook on the optimizer the mode steps), when OSS has handed an fp32 mirror's
+gradient back to its parameter (Note [mirrors carry gradients] in shardopt.optim.masters;
+during the update OSS holds it out of sight). For a torch optimizer both are one hook.
+Not counted: activations, communication buckets, FSDP's gathered parameters, allocator
+overhead. OSS rebuilds its wrapped optimizer when ownership changes (``refresh_trainable``,
+``add_param_group``, ``load_state_dict``), so the runner installs the count after any
+resume, when the demo changes nothing more.
 """
 
 from __future__ import annotations
@@ -92,17 +95,18 @@ def count_states(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
 
 
 class StateCount:
-    """The latest :func:`count_states` of a wrapped mode, taken after each update (Note
-    [counting offloaded state]).
+    """The latest :func:`count_states` of a wrapped mode, the host side at each update and the
+    device side after each step (Note [counting offloaded state]).
 
     How it works: a step post-hook on the optimizer that updates the parameters (``OSS.optim``
-    for OSS) counts at every step; :meth:`remove` takes the hook away (idempotent).
+    for OSS) and one on the optimizer the mode steps (the same one for a torch optimizer);
+    :meth:`remove` takes them away (idempotent).
 
     Args:
         wrapped: the mode's model and optimizer, after any checkpoint was loaded.
 
     Attributes:
-        device_bytes: model-state bytes on the training device at the last update (``None``
+        device_bytes: model-state bytes on the training device after the last step (``None``
             before the first).
         host_bytes: model-state bytes offloaded to host memory at the last update (0 without
             offload, ``None`` before the first).
@@ -113,15 +117,19 @@ class StateCount:
         self._optimizer = wrapped.optimizer
         self._offloaded = wrapped.offloaded
         inner = wrapped.optimizer.optim if isinstance(wrapped.optimizer, OSS) else wrapped.optimizer
-        self._handle: Any = inner.register_step_post_hook(self._count)
+        self._handles: list[Any] = [inner.register_step_post_hook(self._count_host)]
+        self._handles.append(wrapped.optimizer.register_step_post_hook(self._count_device))
         self.device_bytes: int | None = None
         self.host_bytes: int | None = None
 
-    def _count(self, *_: object) -> None:
-        self.device_bytes, self.host_bytes = count_states(self._modules, self._optimizer, self._offloaded)
+    def _count_host(self, *_: object) -> None:
+        self.host_bytes = count_states(self._modules, self._optimizer, self._offloaded)[1]
+
+    def _count_device(self, *_: object) -> None:
+        self.device_bytes = count_states(self._modules, self._optimizer, self._offloaded)[0]
 
     def remove(self) -> None:
-        """Remove the hook; the last counts stay."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Remove the hooks; the last counts stay."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
