@@ -1,5 +1,5 @@
-"""The offload modes of ``shardopt bench`` / ``demo`` (zero1/zero2/zero3-offload, fsdp2-offload; Note [offload modes] in
-shardopt.app.offload_modes): each trains end to end on 2 CPU ranks, equals its mode without
+"""The offload modes of ``shardopt bench`` / ``demo`` (zero1-, zero2-, zero3- and fsdp2-offload;
+Note [offload modes] in shardopt.app.offload_modes): each trains end to end on 2 CPU ranks, equals its mode without
 offload bit for bit, resumes from its own checkpoint, and the report splits the model states
 into those on the training device and those offloaded to the host; ``ddp-amp`` autocasts the
 forward in bf16 and steps with torch's fused Adam."""
