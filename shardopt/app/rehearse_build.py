@@ -179,9 +179,11 @@ def refuses(mode: str, precision: Precision) -> str | None:
 # in a real run. Values: each module's reset_parameters() where it has one, else a normal
 # of std 0.02; buffers are zeros. They do not change any byte or any step time (except
 # through denormals, which reset_parameters avoids), only the meaningless loss.
-# TODO(offload): CPU offload of parameters or optimizer state does not exist in shardopt yet; when it does, the
-# placement decision belongs here (materialise the offloaded share on the host) and the
-# memory report needs a host column beside the device one.
+# TODO(offload): OSS(offload="cpu") and CPUOffload(offload_params=True) exist, but a rehearsal does not
+# build them yet: the placement decision belongs here (materialise the offloaded share on the
+# host), and the storage tracker and the memory report need a host column beside the device
+# one (the bench counts it from the live tensors instead: Note [counting offloaded state] in
+# shardopt.app.state_count).
 
 
 def _outside_units(module: nn.Module) -> Iterator[nn.Module]:
