@@ -49,13 +49,14 @@ its share. With shares of about ``1/N`` of the bucket the copies add up to about
 but ownership comes in whole parameters (or row blocks), and at large ``N`` one rank's part of
 a bucket is often a whole parameter or all it owns: its copies then add up to ``N`` times
 that, however small the bucket. Measured under the fake group (27M GPT, bf16 parameters, fp32
-wire, 32 MiB buckets), the receive pieces of rank 0's largest bucket in one all-to-all were
-66 MB at N = 8, 281 MB at 64, 1.1 GB at 256 and 4.6 GB at 1024 with whole parameters (it owns
-a 1.1M-element matrix), 39 MB at 8 and 104-108 MB at 64 to 1024 with split ones (its part of
-the model sits in one bucket: N copies of 1/N of the model, the model's whole gradient). So
-a bucket's all-to-all goes in rounds: in round ``j`` only ranks ``[jK, (j+1)K)`` send, every
-rank receives their pieces into at most ``K`` reused buffers and adds them to its sum, in rank
-order as before, so the sum is bit for bit the single all-to-all's. ``K`` comes from the plan
+wire, 32 MiB buckets), one bucket's receive pieces in one all-to-all were, on rank 0, 66 MB
+at N = 8, 281 MB at 64, 1.1 GB at 256 and 4.6 GB at 1024 with whole parameters (it owns a
+1.1M-element matrix); with split ones, on rank 0, the last and the heaviest, 39 MB at 8 and
+104-115 MB at 64 to 1024 (a rank's part of the model sits in one bucket: N copies of 1/N of
+the model, the model's whole gradient). So a bucket's all-to-all goes in rounds: in round
+``j`` only ranks ``[jK, (j+1)K)`` send, every rank receives their pieces into at most ``K``
+reused buffers and adds them to its sum, in rank order as before, so the sum is bit for bit
+the single all-to-all's (tests/test_sdp_receive_rounds.py). ``K`` comes from the plan
 (identical on every rank, :func:`sources_per_round`): ``K`` times the largest share fits in
 twice the bucket, or ``RECEIVE_FLOOR_BYTES`` (two default buckets) if that is more. Round 0
 is posted at launch, the others when the bucket is finished. Where ``N`` times the largest
