@@ -292,7 +292,8 @@ class _OSSStrategy(_ShardedStrategy):
         return options
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
-        """``OSS.clip_grad_norm``: exactly torch's norm of the full gradients.
+        """``OSS.clip_grad_norm``: torch's norm of the full gradients, bit for bit unless the OSS
+        split a parameter across ranks (then within torch's summation error).
 
         Raises:
             TypeError: ``optimizer`` is not an OSS.

@@ -425,8 +425,10 @@ class OSS(Optimizer):
         those per-parameter norms in one small all-reduce, and every rank combines them in
         the order ``torch.nn.utils.clip_grad_norm_`` would (grouped by device and dtype, then
         the module's order under ShardedDataParallel, else that of :attr:`params`), so the
-        total equals torch's on the full gradients bit for bit (Note [sharded norm in torch's
-        order] in :mod:`shardopt.optim.grad_norm`). Owned gradients are then
+        total equals torch's on the full gradients bit for bit when no parameter is split
+        across ranks; a split one (:attr:`plan`) counts the norm of its blocks' norms, within
+        torch's own summation error (Note [sharded norm in torch's order] in
+        :mod:`shardopt.optim.grad_norm`). Owned gradients are then
         scaled by ``min(1, max_norm / (total + 1e-6))``; other ranks' gradients are left
         alone (their owners scale them). With masters, the norm is taken of and the clip
         applied to the masters' fp32 gradients (owned ``.grad`` folded in first).

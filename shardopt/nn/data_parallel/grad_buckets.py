@@ -43,6 +43,29 @@ ranks) the allocator reuses freed heap memory. On the 27M-parameter GPT at 2 ran
 page faults per step fell from 40-59 thousand to 21-29 thousand (DDP: 11-20 thousand), and
 the ZeRO-2/DDP step-time ratio of 4 interleaved bench rounds from 1.02-1.04 to 0.93-1.00.
 
+Note [receive rounds]
+The owner of a part of a bucket receives a copy of that part from every rank, ``(N-1)`` times
+its share. With shares of about ``1/N`` of the bucket the copies add up to about one bucket,
+but ownership comes in whole parameters (or row blocks), and at large ``N`` one rank's part of
+a bucket is often a whole parameter or all it owns: its copies then add up to ``N`` times
+that, however small the bucket. Measured under the fake group (27M GPT, bf16 parameters, fp32
+wire, 32 MiB buckets), one bucket's receive pieces in one all-to-all were, on rank 0, 66 MB
+at N = 8, 281 MB at 64, 1.1 GB at 256 and 4.6 GB at 1024 with whole parameters (it owns a
+1.1M-element matrix); with split ones, on rank 0, the last and the heaviest, 39 MB at 8 and
+104-115 MB at 64 to 1024 (a rank's part of the model sits in one bucket: N copies of 1/N of
+the model, the model's whole gradient). So a bucket's all-to-all goes in rounds: in round
+``j`` only ranks ``[jK, (j+1)K)`` send, every rank receives their pieces into at most ``K``
+reused buffers and adds them to its sum, in rank order as before, so the sum is bit for bit
+the single all-to-all's (tests/test_sdp_receive_rounds.py). ``K`` comes from the plan
+(identical on every rank, :func:`sources_per_round`): ``K`` times the largest share fits in
+twice the bucket, or ``RECEIVE_FLOOR_BYTES`` (two default buckets) if that is more. Round 0
+is posted at launch, the others when the bucket is finished. Where ``N`` times the largest
+share fits (shares near ``1/N``, small ``N``, and always at ``N = 2``) there is one round and
+nothing changed. The bytes sent do not change; the heaviest owner's ``(N-1)`` shares of
+inbound bytes bounded a bucket's reduction before and still do (each round brings it ``K``
+shares while each sender sends at most one bucket), but rounds after the first wait on the
+host, after backward has moved on, instead of overlapping it.
+
 Note [small parameters share a bucket]
 ``reduce_buffer_size=0`` ("no buckets", fairscale's benchmark setting) still coalesces the
 gradients of parameters smaller than ShardedDataParallel's ``_MIN_BUCKET_NUMEL`` elements
@@ -92,7 +115,12 @@ import torch
 from shardopt import comm
 from shardopt.partition import Block
 
-__all__ = ["BucketSpec", "BucketState", "GradBucket", "Reduced", "plan_buckets"]
+__all__ = ["RECEIVE_FLOOR_BYTES", "BucketSpec", "BucketState", "GradBucket", "Reduced", "plan_buckets",
+           "sources_per_round"]
+
+RECEIVE_FLOOR_BYTES = 2 * 2**23 * 4
+"""The receive buffers one bucket may hold at once even when that is more than twice the bucket
+(Note [receive rounds]): two default buckets of fp32, the in-flight budget of the reduction queue."""
 
 
 class BucketState(enum.Enum):
@@ -267,6 +295,24 @@ def _blocks(params: Sequence[torch.nn.Parameter], owners: Sequence[int],
     return out
 
 
+def sources_per_round(spec: BucketSpec) -> int:
+    """How many ranks send in one round of ``spec``'s all-to-all (Note [receive rounds]).
+
+    Args:
+        spec: the bucket.
+
+    Returns:
+        ``K``: at least 2, and such that ``K`` times the largest share of the bucket, in the
+        wire dtype, is at most ``max(2 * spec bytes, RECEIVE_FLOOR_BYTES)``; the number of
+        ranks when every rank's share is empty. ``K >= N`` means one round.
+    """
+    itemsize = spec.wire_dtype.itemsize
+    share = max(spec.splits, default=0) * itemsize
+    if share == 0:
+        return max(2, len(spec.splits))
+    return max(2, max(2 * spec.numel * itemsize, RECEIVE_FLOOR_BYTES) // share)
+
+
 class Reduced(NamedTuple):
     """One reduced gradient this rank owns, as :meth:`GradBucket.finish` hands it over."""
 
@@ -282,7 +328,8 @@ class Reduced(NamedTuple):
 
 class GradBucket:
     """One bucket's buffers and progress through an iteration: its send pieces while it
-    fills, and once launched its pending all-to-all and receive pieces, until :meth:`finish`.
+    fills, and once launched its pending all-to-all and receive pieces, until :meth:`finish`
+    (the all-to-all in rounds where one would receive too much: Note [receive rounds]).
 
     Args:
         spec: the static layout.
@@ -300,7 +347,11 @@ class GradBucket:
         self._spans = [spec.span(k) for k in range(len(spec.params))]
         self.state = BucketState.EMPTY
         self._send: list[torch.Tensor] | None = None
-        self._recv: list[torch.Tensor] = []
+        self._recv: list[torch.Tensor] = []  # the pieces of the round in flight, in rank order
+        self._pool: list[torch.Tensor] = []  # receive buffers, reused by later rounds
+        self._group: comm.ProcessGroup | None = None
+        self._per_round = sources_per_round(spec)
+        self._owns = rank in spec.owners
         self._pending: comm.PendingWork | None = None
         self._spent: list[torch.Tensor] = []
         self._filled: set[int] = set()
@@ -332,7 +383,7 @@ class GradBucket:
     def holds_buffers(self) -> bool:
         """Whether the bucket holds send or receive pieces (only between its first gradient
         of an iteration and :meth:`finish`, or :meth:`release` when finish kept them)."""
-        return self._send is not None or bool(self._recv) or bool(self._spent)
+        return self._send is not None or bool(self._recv) or bool(self._pool) or bool(self._spent)
 
     @property
     def complete(self) -> bool:
@@ -375,10 +426,10 @@ class GradBucket:
             self._filled.add(k)
 
     def launch(self, group: comm.ProcessGroup | None, num_ranks: int) -> None:
-        """Set the flags, zero the slots nobody filled and send; the bucket keeps the pending
-        work and the received pieces (indexed by source rank; this rank's own is its send
-        piece) until :meth:`finish`. Only slice writes: nothing waits for the device (Note
-        [host reads per step])."""
+        """Set the flags, zero the slots nobody filled and send (the first round: Note [receive
+        rounds]); the bucket keeps the pending work and the received pieces (this rank's own is
+        its send piece) until :meth:`finish`. Only slice writes: nothing waits for the device
+        (Note [host reads per step])."""
         if self.state is BucketState.EMPTY:
             self._send = self._allocate()
             self._to(BucketState.FILLING)
@@ -391,17 +442,37 @@ class GradBucket:
                 lo, hi = self._spans[k]
                 self._send[owner][start : start + hi - lo].zero_()
                 self._send[owner][flag : flag + 1].zero_()
-        mine = self.spec.splits[self._rank]
-        recv = [
-            self._send[r] if r == self._rank else torch.empty(mine, dtype=self.spec.wire_dtype, device=self.spec.device)
-            for r in range(num_ranks)
-        ]
-        self._pending = comm.all_to_all_pieces(recv, self._send, group,
-                                               label=f"shardopt::sdp::reduce::bucket{self.spec.index}")
-        self._recv = recv
+        self._group = group
+        self._post_round(0, num_ranks)
         self._used_here = frozenset(self._filled)
         self._filled.clear()
         self._to(BucketState.IN_FLIGHT)
+
+    def _post_round(self, j: int, num_ranks: int) -> None:
+        """Post round ``j`` of the all-to-all (Note [receive rounds]): the ranks of its window
+        send every rank its piece, and every rank receives theirs, the own one being its send
+        piece and the others landing in the reused receive buffers."""
+        assert self._send is not None
+        me, k = self._rank, self._per_round
+        window = range(j * k, min(num_ranks, (j + 1) * k))
+        nothing = self._send[me].new_empty(0)
+        outputs = [nothing] * num_ranks
+        others = [source for source in window if source != me]
+        for slot, source in enumerate(others):
+            outputs[source] = self._buffer(slot)
+        if me in window:
+            outputs[me] = self._send[me]
+        inputs = self._send if me in window else [nothing] * num_ranks
+        self._pending = comm.all_to_all_pieces(outputs, inputs, self._group,
+                                               label=f"shardopt::sdp::reduce::bucket{self.spec.index}")
+        self._recv = [outputs[source] for source in window]
+
+    def _buffer(self, slot: int) -> torch.Tensor:
+        """The ``slot``-th receive buffer of a round (one share in the wire dtype), made on first use."""
+        while len(self._pool) <= slot:
+            self._pool.append(torch.empty(self.spec.splits[self._rank], dtype=self.spec.wire_dtype,
+                                          device=self.spec.device))
+        return self._pool[slot]
 
     def finish(self, num_ranks: int, release: bool = True) -> list[Reduced]:
         """Wait for the all-to-all, then sum the received copies (rank order) into this rank's
@@ -419,21 +490,24 @@ class GradBucket:
         its entries' rows then their "used" flags, one tensor in the gradient dtype (``None``
         when it owns nothing here), for :meth:`items` (Note [hybrid reduction] in ``replicas``
         all-reduces it across replicas first)."""
-        pending, recv = self._pending, self._recv
-        assert pending is not None, f"[rank {self._rank}] bucket {self.spec.index} finished without being launched"
-        self._pending, self._recv = None, []
-        pending.wait()
-        self._to(BucketState.EMPTY)
+        assert self._pending is not None, f"[rank {self._rank}] bucket {self.spec.index} finished without being launched"
         total: torch.Tensor | None = None
-        try:
-            total = self._sum(recv, num_ranks)
-            return total
-        finally:
-            # A piece the sum was made in now holds the owner's gradients and stays.
-            self._spent = [piece for piece in recv + (self._send or []) if piece is not total]
-            self._send = None
-            if release:
-                self.release()
+        for j in range(-(-num_ranks // self._per_round)):  # Note [receive rounds]
+            if j:
+                self._post_round(j, num_ranks)
+            pending, pieces = self._pending, self._recv
+            self._pending, self._recv = None, []
+            assert pending is not None
+            pending.wait()
+            if self._owns:
+                total = self._add(total, pieces)
+        self._to(BucketState.EMPTY)
+        # A piece the sum was made in now holds the owner's gradients and stays.
+        self._spent = [piece for piece in self._pool + (self._send or []) if piece is not total]
+        self._pool, self._send = [], None
+        if release:
+            self.release()
+        return total
 
     def release(self) -> None:
         """Free the pieces of the last transfer (Note [release scratch buffers] in
@@ -442,20 +516,23 @@ class GradBucket:
             comm.release_storage(piece)
         self._spent = []
 
-    def _sum(self, recv: list[torch.Tensor], num_ranks: int) -> torch.Tensor | None:
-        """The owner's sum of the received pieces, in rank order (``None``: nothing owned here).
+    def _add(self, total: torch.Tensor | None, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Add one round's received pieces, in rank order, to the owner's sum so far (``None``
+        before rank 0's piece).
 
         Note [sum in place]: the sum is made in rank 0's received piece when it already has the
         gradient dtype (no new buffer, no copy), else in one widened copy of it, the other rows
         added in their wire dtype (a mixed-dtype add computes in the wider dtype, exactly as
-        widening each row first did, without a widened copy per row).
+        widening each row first did, without a widened copy per row). A receive buffer that
+        becomes the sum leaves the pool, so a later round does not overwrite it.
         """
-        if self._rank not in self.spec.owners:
-            return None
-        grad_dtype = self.spec.grad_dtype
-        total = recv[0] if recv[0].dtype == grad_dtype else recv[0].to(grad_dtype)
-        for r in range(1, num_ranks):
-            total.add_(recv[r])
+        for piece in pieces:
+            if total is None:
+                total = piece if piece.dtype == self.spec.grad_dtype else piece.to(self.spec.grad_dtype)
+                self._pool = [buffer for buffer in self._pool if buffer is not total]
+            else:
+                total.add_(piece)
+        assert total is not None, f"[rank {self._rank}] bucket {self.spec.index}: a round without pieces"
         return total
 
     def items(self, total: torch.Tensor, alone: bool) -> list[Reduced]:
