@@ -318,9 +318,8 @@ def estimate_plans(
 #     folds the owned ones into the host buffer and frees them);
 #   ZeRO-2 + offload: P, the parameters; gradients are on the device only in flight (autograd's
 #     gradient until its bucket is reduced, and the buckets: a constant, not per parameter),
-#     the owner's reduced share goes to the host as it arrives. Between backward and the step
-#     those reduced gradients wait in host tensors of their own, which the step's fold copies
-#     into the buffer and frees: the host peaks at (K + 8 + mirror) / N = 20 / N there;
+#     the owner's reduced share goes to the host as it arrives, straight into the kept buffer
+#     (OSS.add_grad: one copy), so the host holds (K + 4 + mirror) / N throughout;
 #   ZeRO-3 + offload: FullyShardedDataParallel(cpu_offload=CPUOffload(offload_params=True))
 #     (Note [offloaded shards] in shardopt.nn.fsdp.offload), like torch FSDP2's CPUOffloadPolicy,
 #     keeps the parameter shard, its gradient and the moments on the host, (K + 4 + mirror) / N
@@ -341,8 +340,8 @@ class StageBytes:
         offload: whether the optimizer's side is offloaded to host memory.
         device: bytes per parameter on the device the rank trains on.
         host: bytes per parameter in host memory at the update.
-        host_peak: the most bytes per parameter in host memory during a step (``host`` but for
-            ZeRO-2, whose reduced gradients wait in host tensors of their own until the step).
+        host_peak: the most bytes per parameter in host memory during a step (``host``: the
+            reduced gradients land in the kept buffer).
         world_size: N.
     """
 
@@ -388,7 +387,7 @@ def estimate_offload(world_size: int, mixed_precision: bool = True,
         StageBytes("ZeRO-1", False, 2 * p + k / n, 0.0, 0.0, n),
         StageBytes("ZeRO-1", True, 2 * p, host, host, n),
         StageBytes("ZeRO-2", False, p + (p + k) / n, 0.0, 0.0, n),
-        StageBytes("ZeRO-2", True, p, host, host + 4 / n, n),
+        StageBytes("ZeRO-2", True, p, host, host, n),
         StageBytes("ZeRO-3", False, (2 * p + k) / n, 0.0, 0.0, n),
         StageBytes("ZeRO-3", True, 0.0, host, host, n),
     )

@@ -213,6 +213,18 @@ class FlatGroup:
             if grad is not None and grad is not slots[i]:
                 master.grad = slots[i].copy_(grad)  # the old tensor is freed here
 
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Add ``grad`` (of the master's shape, any dtype and device) to ``params[index]``'s
+        master gradient in its segment of the buffer: one copy (cast, and to the host for an
+        offloaded group) where the master has none yet. Call under ``torch.no_grad()``."""
+        master, slot = self.masters[index], self._slots_now()[index]
+        if master.grad is None:
+            master.grad = slot.copy_(grad)
+        elif master.grad is slot:
+            slot.add_(grad.to(slot.device))
+        else:  # a gradient put there from outside: it moves into the buffer at the step (take_grads)
+            master.grad.add_(grad.to(master.grad.device))
+
     def prepare_step(self) -> bool:
         """Point :attr:`flat`'s gradient at the buffer when every aligned master has one;
         switch to ``VIEWS`` when only some do (Note [flat state falls back to views]).

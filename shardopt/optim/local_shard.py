@@ -189,6 +189,18 @@ class LocalShard:
         if switched:
             self._relist(params)
 
+    @torch.no_grad()
+    def add_grad(self, index: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` (this rank's rows of ``params[index]``'s gradient) to the gradient the
+        step reads: into its master's segment of the gradient buffer (Note [flat masters] in
+        :mod:`shardopt.optim.flat_masters`), else to its holder's ``.grad``."""
+        flat_group = self.masters.group_of(index)
+        if flat_group is not None:
+            flat_group.add_grad(index, grad)
+            return
+        holder = self.holder(index, param)
+        holder.grad = grad if holder.grad is None else holder.grad.add_(grad)
+
     def after_step(self, params: Sequence[torch.Tensor]) -> None:
         """Round the masters into the parameters and drop their gradients; keep the row views'
         (Note [split gradients outlive the step] in shardopt.optim.owned_rows)."""

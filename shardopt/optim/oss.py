@@ -215,10 +215,15 @@ class OSS(Optimizer):
             return None
         return self._shard.holder(index, param)
 
+    def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` (this rank's owned rows of ``param``'s reduced gradient, as
+        ShardedDataParallel delivers it) to what the step reads: a master's gradient in its
+        buffer in one copy (to the host under offload), else :meth:`grad_holder`'s ``.grad``."""
+        self._shard.add_grad(self._index_of[param], param, grad)
+
     @property
     def offload(self) -> str | None:
-        """Where the masters and optimizer state live and step when not with the parameters
-        (``"cpu"``), else ``None`` (Note [offloaded masters] in shardopt.optim.masters)."""
+        """``"cpu"`` when masters and state live and step there (Note [offloaded masters]), else ``None``."""
         return None if self._masters.offload is None else self._masters.offload.type
 
     @property
@@ -413,12 +418,8 @@ class OSS(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         self._shard.free_grads()
 
-    def clip_grad_norm(
-        self,
-        max_norm: float,
-        norm_type: float = 2.0,
-        filter_params_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-    ) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
+                       filter_params_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; call on every rank.
 
         How it works: each rank takes the norm of each owned gradient, the ranks exchange
@@ -446,8 +447,7 @@ class OSS(Optimizer):
         Raises:
             RuntimeError: another rank did not call it (Note [clip on some ranks only]).
         """
-        params = self.params
-        ordered = clipping.in_wrapper_order(params, self)  # Note [sharded norm in torch's order]
+        ordered = clipping.in_wrapper_order(self.params, self)  # Note [sharded norm in torch's order]
         return clip_params([self], ordered, ClipArgs(float(max_norm), float(norm_type)), filter_params_fn)
 
     # ------------------------------------------------------------------ state dict

@@ -199,7 +199,6 @@ class OwnerGrads:
         before and left after (Note [placeholders for moved gradients] in shardopt.placeholders)."""
         assert holder is not None, f"[rank {self._rank}] {self._name_of(param)!r} was reduced here, but owns no rows"
         self._local_sums.settle(param, holder)
-        if reduced is not None:  # to the host for an offloaded master (Note [offloaded masters] in shardopt.optim.masters)
-            reduced = reduced.to(holder.device)
-            holder.grad = reduced if holder.grad is None else holder.grad.add_(reduced)
+        if reduced is not None:  # into a master's buffer in one copy (to the host under offload)
+            self._optim_of[param].add_grad(param, reduced)
         self._local_sums.leave(param, holder)
