@@ -28,6 +28,7 @@ from shardopt import comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
+from tests.helpers.clip import total_norm_rtol
 from tests.helpers.data import rank_batch, seeded_mlp
 from tests.helpers.ddp_arithmetic import add_to_grads, average_in_rank_order, reference_backward
 from tests.helpers.sdp import Branchy, rel_diff, tolerance
@@ -579,7 +580,10 @@ def test_scaler_with_two_optimizers_unscale_clip_step_and_reload_matches_torch(w
     print(f"\nworld_size={world_size}: " + str({k: v for k, v in results[0].items() if k != "state"}))
     for r in results:
         assert r["vs_ddp"] <= tolerance(world_size), r
-        assert r["norm_diff"] <= (1e-6 if world_size > 2 else 1e-7), r
+        # At 2 ranks the gradients are DDP's, but the second optimizer's 32 x 16 weight is split:
+        # its norm is the norm of its blocks' norms, torch's within its summation error (measured
+        # 6.5e-8, one ulp; Note [fed clip norms] in tests/helpers/clip.py). At 3 the sums differ too.
+        assert r["norm_diff"] <= (1e-6 if world_size > 2 else total_norm_rtol(820)), r
         assert r["nonfinite_norms"] == 1, r  # only the poisoned optimizer's norm, once
         assert all(a == b for a, b in r["scales"]), r["scales"]
         ours, theirs = r["state"]

@@ -9,6 +9,12 @@ norm across both optimizers), saving both optimizers' consolidated state after s
 resuming from it into a fresh model, fresh OSS and a fresh ShardedDataParallel. At 2 ranks
 the arithmetic is DDP's (``a * 0.5 + b * 0.5`` in either order, each parameter stepped whole
 by the same torch optimizer), so parameters, clip norms and state must be equal bit for bit.
+The exception is the wide model clipped over all its parameters: AdamW's plan splits its
+embedding, whose norm is then the norm of its blocks' norms, torch's within its summation
+error only, and one ulp of the clip coefficient moves the parameters by ~3e-3 after 6 steps
+(measured by perturbing it). There DDP clips by the sharded run's own totals (Note [fed clip
+norms] in tests/helpers/clip.py), so parameters and state are still equal bit for bit, and
+the totals are compared with torch's within ``total_norm_rtol``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler, split_hidden_matrices
 from shardopt.testing import run_ranks
+from tests.helpers.clip import clip_with_fed_norm, total_norm_rtol
 from tests.helpers.data import max_abs_diff
 from tests.helpers.gpt import gpt, lm_loss, tokens
 
@@ -74,6 +81,7 @@ def _recipe_rank(rank: int, world_size: int) -> dict[str, dict[str, float]]:
         ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=scaled)
         scaler = ShardedGradScaler(init_scale=2.0**8, enabled=scaled, device="cpu")
         norm_diff, state_diff, clipped = 0.0, 0.0, 0
+        sdp_norms: list[torch.Tensor] = []  # this step's, set before the DDP reference clips
         for step in range(STEPS):
             if step == RESUME_AFTER:  # save both optimizers' state, resume into fresh objects
                 saved = [o.state_dict(all_ranks=True) for o in opts]
@@ -98,6 +106,9 @@ def _recipe_rank(rank: int, world_size: int) -> dict[str, dict[str, float]]:
                     s.unscale_(o)
                 if clip == "none":
                     norms = [torch.zeros(())]
+                elif clip == "model" and wrapper is ddp and wide:  # torch's total; clip by the sharded one
+                    norms = [torch.nn.utils.get_total_norm([p.grad for p in ddp_model.parameters() if p.grad is not None])]
+                    clip_with_fed_norm(ddp_model.parameters(), MAX_NORM, sdp_norms[0])
                 elif clip == "model":
                     norms = [torch.nn.utils.clip_grad_norm_(wrapper.module.parameters(), MAX_NORM)]
                 elif wrapper is sdp:
@@ -107,7 +118,8 @@ def _recipe_rank(rank: int, world_size: int) -> dict[str, dict[str, float]]:
                 if wrapper is sdp:
                     sdp_norms = norms
                 else:
-                    norm_diff = max([norm_diff] + [abs(float(a) - float(b)) for a, b in zip(sdp_norms, norms, strict=True)])
+                    norm_diff = max([norm_diff] + [abs(float(a) - float(b)) / (float(b) or 1.0)  # clip none: 0
+                                                   for a, b in zip(sdp_norms, norms, strict=True)])
                     clipped += sum(float(n) > MAX_NORM for n in norms)
                 for o in optimizers:
                     s.step(o)
@@ -116,7 +128,8 @@ def _recipe_rank(rank: int, world_size: int) -> dict[str, dict[str, float]]:
         results[key] = {
             "adamw_split": float(len(opts[1].plan.split_params)),
             "params_vs_ddp": max_abs_diff(model.parameters(), ddp_model.parameters()),
-            "clip_norms_vs_ddp": norm_diff,
+            "clip_norms_vs_ddp": norm_diff,  # relative
+            "numel": float(sum(p.numel() for p in model.parameters())),
             "state_at_save_vs_ddp": state_diff,
             "final_state_vs_ddp": max(_state_diff(o.state_dict(all_ranks=True), d.state_dict())
                                       for o, d in zip(opts, ddp_opts, strict=True)),
@@ -142,17 +155,10 @@ def test_muon_and_adamw_under_one_sharded_ddp_match_ddp_bit_for_bit_with_clippin
             if key == "owned_numel":
                 continue
             assert (row["adamw_split"] > 0) == key.endswith("/wide"), (key, row)  # AdamW's embedding cut
-            if key.endswith("clip=model/scaler=False/wide"):
-                # A split parameter's norm is the norm of its blocks' norms, not torch's one kernel
-                # (Note [sharded norm in torch's order]): the same sum of squares in another order,
-                # within a few fp32 roundings of each norm (~1e-7 relative), and the clip coefficient
-                # max_norm / norm with it; after 6 Adam/Muon steps of lr <= 0.02 the parameters
-                # move by at most lr * (relative change) per step: far below 1e-5.
-                assert row["clip_norms_vs_ddp"] <= 1e-6 and row["params_vs_ddp"] <= 1e-5, (key, row)
-                assert row["state_at_save_vs_ddp"] <= 1e-5 and row["final_state_vs_ddp"] <= 1e-5, (key, row)
-                continue
             assert row["params_vs_ddp"] == 0.0, (key, row)
-            assert row["clip_norms_vs_ddp"] == 0.0, (key, row)
+            # A clip over the split embedding: torch's total within its summation error (module docstring).
+            split_clip = key.endswith("clip=model/scaler=False/wide")
+            assert row["clip_norms_vs_ddp"] <= (total_norm_rtol(int(row["numel"])) if split_clip else 0.0), (key, row)
             assert row["state_at_save_vs_ddp"] == 0.0 and row["final_state_vs_ddp"] == 0.0, (key, row)
             assert row["clipped_steps"] > 0 or "clip=none" in key, (key, row)  # the clip did scale gradients
             assert row["scale"] == row["ref_scale"], (key, row)
