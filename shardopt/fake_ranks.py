@@ -37,7 +37,7 @@ from shardopt.optim import OSS
 from shardopt.partition import cut_quantum, partition_by_size, plan_split
 
 __all__ = ["CATEGORIES", "Measured", "Mode", "RankBytes", "Workload", "fake_group_ddp_hook", "held_bytes", "measure",
-           "measure_rank", "ranks_to_measure"]
+           "measure_rank", "ranks_to_measure", "state_tensors"]
 
 CATEGORIES = ("params", "grads", "masters", "optimizer")
 """What :class:`RankBytes` counts, in the order a storage is attributed (Note [what a measured rank holds])."""
@@ -158,13 +158,14 @@ def _storages(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
     return total
 
 
-def _state_tensors(value: object) -> list[torch.Tensor]:
+def state_tensors(value: object) -> list[torch.Tensor]:
+    """Every tensor in an optimizer state entry (nested dicts, lists and tuples)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _state_tensors(v)]
+        return [t for v in value.values() for t in state_tensors(v)]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _state_tensors(v)]
+        return [t for v in value for t in state_tensors(v)]
     return []
 
 
@@ -186,7 +187,7 @@ def held_bytes(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -
     seen: set[int] = set()
     out = {"params": _storages(params, seen), "grads": _storages((p.grad for p in params), seen)}
     out["masters"] = _storages([t for p in stepped for t in (p, p.grad)], seen)
-    out["optimizer"] = _storages([t for s in inner.state.values() for t in _state_tensors(s)], seen)
+    out["optimizer"] = _storages([t for s in inner.state.values() for t in state_tensors(s)], seen)
     return out
 
 

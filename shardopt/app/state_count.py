@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardopt.app.wrapping import Wrapped
+from shardopt.fake_ranks import state_tensors
 from shardopt.optim import OSS
 
 __all__ = ["StateCount", "count_states"]
@@ -44,16 +45,6 @@ __all__ = ["StateCount", "count_states"]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _state_tensors(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _state_tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _state_tensors(v)]
-    return []
 
 
 def _storages(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
@@ -86,7 +77,7 @@ def count_states(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
     stepped = [p for g in inner.param_groups for p in g["params"]]
     if isinstance(optimizer, OSS):  # each master's view and gradient, stepped flat or not (Note [flat masters])
         stepped += [m for m in (optimizer.master_of(p) for p in optimizer.params) if m is not None]
-    optimizer_side = [*stepped, *(p.grad for p in stepped), *(t for s in inner.state.values() for t in _state_tensors(s))]
+    optimizer_side = [*stepped, *(p.grad for p in stepped), *(t for s in inner.state.values() for t in state_tensors(s))]
     params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
     seen: set[int] = set()
     host = _storages(optimizer_side, seen) if offloaded else 0
