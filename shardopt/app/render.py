@@ -461,8 +461,8 @@ def render_offload(rows: Sequence[StageBytes], num_params: int, mixed: bool, std
                           "keeps the owner's masters (fp32 parameters: exact fp32 mirrors), Adam's moments and the "
                           "fp32 gradient buffer in host memory and steps there; device: ZeRO-1 counts DDP's full "
                           "gradients, ZeRO-2 no gradients (only in flight: autograd's until its bucket is reduced, "
-                          "and the buckets, a constant); host peak: ZeRO-2's reduced gradients wait in host tensors "
-                          "of their own until the step; ZeRO-3 + offload: FullyShardedDataParallel(cpu_offload=CPUOffload("
+                          "and the buckets, a constant); host peak: the most during a step (reduced gradients land "
+                          "in the kept buffer); ZeRO-3 + offload: FullyShardedDataParallel(cpu_offload=CPUOffload("
                           "offload_params=True)) keeps the shard, its gradient and Adam's state on the host (torch "
                           "FSDP2's CPUOffloadPolicy the same), the units it gathers not counted; Adam's step counts "
                           "(4 bytes per stepped tensor) not counted; docs/memory.md")
