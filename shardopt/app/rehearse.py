@@ -94,6 +94,8 @@ class MemoryBreakdown:
         other: every other storage made before the step and still alive (the batch, the
             wrappers' small bookkeeping tensors).
         phase: where in the step the peak fell (``forward``, ``backward``, ``step``).
+        host: of the categories' bytes, those an offload mode keeps in host memory (Note
+            [device and host at the peak]); 0 without offload.
     """
 
     params: int
@@ -104,11 +106,17 @@ class MemoryBreakdown:
     activations: int
     other: int
     phase: str
+    host: int = 0
 
     @property
     def total(self) -> int:
         """Every category: the live bytes at the replayed peak."""
         return sum(getattr(self, name) for name in CATEGORIES)
+
+    @property
+    def device(self) -> int:
+        """The live bytes at the replayed peak that are not the host's: :attr:`total` less :attr:`host`."""
+        return self.total - self.host
 
 
 @dataclass(frozen=True)
@@ -148,10 +156,18 @@ class RankRehearsal:
         """The most the rank held at any point: the build, the first step or the steady state."""
         return max(self.peak_bytes, self.build_peak_bytes, self.first_step_peak_bytes, self.device_peak_bytes or 0)
 
+    @property
+    def device_needed_bytes(self) -> int:
+        """What must fit the device: :attr:`needed_bytes` without offload, else the steady peak's
+        device side (Note [device and host at the peak])."""
+        return self.needed_bytes if self.memory.host == 0 else self.memory.device
+
     def as_dict(self) -> dict[str, Any]:
         """Plain values for JSON (the timelines as their compute times and bytes)."""
         out = {k: v for k, v in asdict(self).items() if k != "timelines"}
         out["memory"]["total"] = self.memory.total
+        out["memory"]["device"] = self.memory.device
+        out["device_needed_bytes"] = self.device_needed_bytes
         out["replay_matched"] = self.replay_matched
         out["needed_bytes"] = self.needed_bytes
         out["steps"] = [{"wall_s": t.wall_s, "compute_s": t.compute_s, "collectives": len(t.calls),
@@ -186,6 +202,20 @@ class RankRehearsal:
 # measured storages, not a difference) or before it (other). The categories therefore sum to
 # the live bytes at that event, which is the peak when the replay matched.
 
+# Note [device and host at the peak]
+# With offload the tracker still counts one ledger of storages (on a CPU-only machine host and
+# device are the same memory, and `.device` cannot tell them apart). At the replayed event the
+# storages that Built.host_tensors names (Note [host storages of a rehearsal] in
+# shardopt.app.rehearse_build) are summed as `host`; they stay in their categories too, so the
+# categories still sum to the peak, and device = peak - host at the same event. That is the
+# device's own steady peak only when the host bytes do not change during the step: true of
+# zero1-offload and zero2-offload (masters, their kept gradient buffer and Adam's state all
+# persist from the first step on), not of zero3-offload, whose host gradients land at the end
+# of backward and are freed at zero_grad, so its device peak could fall at another event (it
+# does not at the sizes the tests run: there the peak is in backward before they land). The
+# build's and the first step's peaks are reported as device + host and not split. On a GPU
+# the tracker counts only CUDA storages, so host is 0 there and the peak is the device's.
+
 
 def _attribute(tracker: StorageTracker, built: Built, step_start: int, comm_offsets: frozenset[int],
                phase: str) -> MemoryBreakdown:
@@ -202,6 +232,8 @@ def _attribute(tracker: StorageTracker, built: Built, step_start: int, comm_offs
 
     parts = {"optimizer": take(built.optimizer_tensors()), "masters": take(built.master_tensors()),
              "params": take(built.param_tensors()), "grads": take(built.grad_tensors())}
+    host = {storage_key(t) for t in built.host_tensors() if t is not None and t.device.type == device}
+    parts["host"] = sum(live[k] for k in host if k in live and k in seen)
     gathers = {storage_key(t) for t in built.gather_tensors()}
     to_come = {k for k in live if tracker.born(k) - step_start in comm_offsets}
     parts["comm"] = take(frozenset(tracker.comm_keys | gathers | to_come))
@@ -360,7 +392,7 @@ def heaviest_rank(mode: str, shapes: Sequence[Sequence[int]], world_size: int, s
     """The rank holding the most optimizer state under ``mode``'s ownership plan, or ``None`` when all hold the same.
 
     The plan is the one OSS builds (as :func:`shardopt.fake_ranks.ranks_to_measure` computes
-    it): whole parameters for ``zero2``, row-split large parameters for ``zero1``,
+    it): whole parameters for ``zero2`` and ``zero2-offload``, row-split large parameters for ``zero1``,
     ``zero2-split`` and the hybrid modes (OSS's default with Adam), over the shard group of
     ``shard_size`` ranks for the hybrid modes (the heaviest shard rank of the first group).
 
@@ -371,11 +403,11 @@ def heaviest_rank(mode: str, shapes: Sequence[Sequence[int]], world_size: int, s
         shard_size: S, or ``None``.
         width: bytes of one parameter element.
     """
-    if mode in ("ddp", "zero3"):
+    if mode in ("ddp", "zero3", "zero3-offload"):
         return None
     ranks = shard_size if mode.endswith("hybrid") and shard_size is not None else world_size
     sizes = [math.prod(s) * width for s in shapes]
-    if mode == "zero2":
+    if mode in ("zero2", "zero2-offload"):
         loads = partition_by_size(sizes, ranks).rank_bytes
     else:
         rows = [s[0] if len(s) else 1 for s in shapes]

@@ -33,13 +33,14 @@ from shardopt.app.models import GPT, PRESETS
 from shardopt.app.modes import MODES, Setup
 from shardopt.app.precision import Precision
 from shardopt.app.shapes import SHAPE_PRESETS, DecoderShape, read_hf_config
-from shardopt.nn.fsdp import FullyShardedDataParallel, MixedPrecision
+from shardopt.nn.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
 from shardopt.optim import OSS
 
 __all__ = ["REHEARSED_MODES", "Built", "Checkpointed", "ModelSpec", "build_rank", "deferred_all_reduce", "make_batch",
            "materialize", "model_spec", "num_params", "refuses", "unit_list"]
 
-REHEARSED_MODES = ("ddp", "zero1", "zero2", "zero2-split", "zero1-hybrid", "zero2-hybrid", "zero3")
+REHEARSED_MODES = ("ddp", "zero1", "zero2", "zero2-split", "zero1-hybrid", "zero2-hybrid", "zero3", "zero1-offload",
+                   "zero2-offload", "zero3-offload")
 """The modes a rehearsal builds: shardopt's own (:data:`shardopt.app.modes.OWN_MODES`); peers are not rehearsed."""
 
 _ZERO3_PRECISIONS = ("fp32", "bf16-master")
@@ -158,10 +159,10 @@ def refuses(mode: str, precision: Precision) -> str | None:
     ``MixedPrecision(param_dtype=torch.bfloat16)``); the other modes at what
     :attr:`shardopt.app.modes.Mode.precisions` lists.
     """
-    if mode == "zero3":
+    if mode in ("zero3", "zero3-offload"):
         if precision.name in _ZERO3_PRECISIONS and precision.reduce_dtype is None:
             return None
-        return (f"--precision {precision.name}: mode 'zero3' is rehearsed at {' or '.join(_ZERO3_PRECISIONS)} "
+        return (f"--precision {precision.name}: mode {mode!r} is rehearsed at {' or '.join(_ZERO3_PRECISIONS)} "
                 "(bf16-master: fp32 shards, bf16 compute); pick one of them")
     reason = MODES[mode].refuses(precision)
     return None if reason is None else f"--precision {precision.name}: {reason}"
@@ -179,11 +180,21 @@ def refuses(mode: str, precision: Precision) -> str | None:
 # in a real run. Values: each module's reset_parameters() where it has one, else a normal
 # of std 0.02; buffers are zeros. They do not change any byte or any step time (except
 # through denormals, which reset_parameters avoids), only the meaningless loss.
-# TODO(offload): OSS(offload="cpu") and CPUOffload(offload_params=True) exist, but a rehearsal does not
-# build them yet: the placement decision belongs here (materialise the offloaded share on the
-# host), and the storage tracker and the memory report need a host column beside the device
-# one (the bench counts it from the live tensors instead: Note [counting offloaded state] in
-# shardopt.app.state_count).
+# The offload modes are built as the bench builds them (Note [offload modes] in
+# shardopt.app.offload_modes): the model is materialised on the device as above, and OSS(offload=
+# "cpu") makes this rank's masters on the host; zero3-offload's units copy each shard to the host
+# as they wrap. Which storages are the host's is decided from ownership, not from `.device` (on a
+# CPU-only machine both are the CPU): Note [host storages of a rehearsal].
+
+# Note [host storages of a rehearsal]
+# Built.host_tensors names what an offload mode keeps in host memory: for zero1-offload and
+# zero2-offload the offloaded OSS's master buffers (mirrors or fp32 masters), their kept
+# gradient buffer (OSS.offloaded_buffers) and the wrapped optimizer's state; for zero3-offload
+# every unit's shard, the parameters' gradients (views of the host tensors the reduced shards
+# land in) and the optimizer's state. Gradients a unit holds aside on the device (stash,
+# accumulator) and the gathered parameters stay on the device. The rehearsal splits the live
+# storages at the replayed peak into these and the rest (Note [device and host at the peak] in
+# shardopt.app.rehearse).
 
 
 def _outside_units(module: nn.Module) -> Iterator[nn.Module]:
@@ -251,6 +262,7 @@ class Built:
     optimizer: torch.optim.Optimizer
     units: list[FullyShardedDataParallel] = field(default_factory=list)
     pending: list[comm.PendingWork] = field(default_factory=list)
+    offloaded: bool = False
 
     def finish_backward(self) -> None:
         """Wait the all-reduces DDP's hook issued during the backward just run."""
@@ -275,10 +287,12 @@ class Built:
         return out
 
     def master_tensors(self) -> list[torch.Tensor | None]:
-        """Tensors the optimizer steps in place of parameters (fp32 masters, split rows) and their gradients."""
+        """Tensors the optimizer steps in place of parameters (fp32 masters, split rows, offloaded mirrors) and their
+        gradients, with an offloaded OSS's buffers (its kept gradient buffer outlives the step unviewed)."""
         params = {id(p) for p in self.module.parameters()}
         stepped = [p for g in self._inner().param_groups for p in g["params"] if id(p) not in params]
-        return [t for p in stepped for t in (p, p.grad)]
+        buffers = self.optimizer.offloaded_buffers() if isinstance(self.optimizer, OSS) else []
+        return [*buffers, *(t for p in stepped for t in (p, p.grad))]
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the optimizer's state."""
@@ -286,6 +300,15 @@ class Built:
         for state in self._inner().state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return out
+
+    def host_tensors(self) -> list[torch.Tensor | None]:
+        """What an offload mode keeps in host memory (Note [host storages of a rehearsal]); ``[]`` without offload."""
+        if not self.offloaded:
+            return []
+        if self.units:
+            return [*self.param_tensors(), *(p.grad for p in self.module.parameters()), *self.optimizer_tensors()]
+        assert isinstance(self.optimizer, OSS), "an offloaded mode other than zero3-offload steps an OSS"
+        return [*self.optimizer.offloaded_buffers(), *self.optimizer_tensors()]
 
     def gather_tensors(self) -> list[torch.Tensor]:
         """ZeRO-3's full parameter buffers (gathered parameters in the compute dtype)."""
@@ -320,18 +343,21 @@ deferred_all_reduce.__annotations__.update({"bucket": dist.GradBucket, "return":
 
 
 def _zero3(module: nn.Module, blocks: nn.ModuleList | None, device: torch.device, precision: Precision,
-           lr: float) -> Built:
+           lr: float, offload: bool) -> Built:
     mixed = MixedPrecision(param_dtype=torch.bfloat16) if precision.name == "bf16-master" else None
     init = partial(materialize, device=device, dtype=torch.float32)
+    host = CPUOffload(offload_params=offload)
     units: list[FullyShardedDataParallel] = []
     for i, block in enumerate(list(blocks) if blocks is not None else []):
         # forward prefetch as shardopt demo's zero3 (and FSDP2) does
-        unit = FullyShardedDataParallel(block, mixed_precision=mixed, param_init_fn=init, forward_prefetch=True)
+        unit = FullyShardedDataParallel(block, mixed_precision=mixed, param_init_fn=init, forward_prefetch=True,
+                                        cpu_offload=host)
         blocks[i] = unit  # type: ignore[index]
         units.append(unit)
-    root = FullyShardedDataParallel(module, mixed_precision=mixed, param_init_fn=init, forward_prefetch=True)
+    root = FullyShardedDataParallel(module, mixed_precision=mixed, param_init_fn=init, forward_prefetch=True,
+                                    cpu_offload=host)
     opt = torch.optim.Adam(root.parameters(), lr=lr)
-    return Built(root, module, opt, [root, *units])
+    return Built(root, module, opt, [root, *units], offloaded=offload)
 
 
 def build_rank(spec: ModelSpec, mode: str, precision: Precision, device: torch.device, *, shard_size: int | None,
@@ -373,12 +399,12 @@ def build_rank(spec: ModelSpec, mode: str, precision: Precision, device: torch.d
                              "blocks to checkpoint; drop the flag")
         for i, block in enumerate(list(blocks)):
             blocks[i] = Checkpointed(block)
-    if mode == "zero3":
-        return _zero3(module, blocks, device, precision, lr)
+    if mode in ("zero3", "zero3-offload"):
+        return _zero3(module, blocks, device, precision, lr, offload=mode == "zero3-offload")
     materialize(module, device, precision.param_dtype)
     setup = Setup(lr, device, precision, batch_size, 1, shard_size)
     wrapped = MODES[mode].wrap(module, setup)
-    built = Built(wrapped.model, wrapped.module, wrapped.optimizer)
+    built = Built(wrapped.model, wrapped.module, wrapped.optimizer, offloaded=wrapped.offloaded)
     if isinstance(wrapped.model, DDP) and failures.is_fake_group():
         wrapped.model.register_comm_hook(built.pending, deferred_all_reduce)
     return built

@@ -29,7 +29,7 @@ from shardopt.app.render import JSON_TO_STDOUT, stdout_kept_for_json, write_json
 from shardopt.app.step_model import Link
 from shardopt.app.usage import check_writable, fail
 from shardopt.hybrid import plan_tiling
-from shardopt.memory import estimate_model_states, estimate_plans
+from shardopt.memory import estimate_model_states, estimate_offload, estimate_plans
 
 __all__ = ["EXAMPLES", "add_rehearse_parser", "check_args", "model_state_bound", "parse_size", "run_rehearse"]
 
@@ -124,7 +124,8 @@ def add_rehearse_parser(sub: Any, epilog: str) -> None:
     p.add_argument("--mode", choices=REHEARSED_MODES, default="zero2", help="how the run shards (default zero2)")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="parameter precision (default bf16-master where the mode has it: bf16 parameters, fp32 "
-                        "masters; zero3: fp32 shards, bf16 compute; ddp: bf16)")
+                        "masters, the bench's -bf16m; zero3: fp32 shards, bf16 compute; ddp: bf16); the offload "
+                        "modes take fp32 or bf16-master")
     p.add_argument("--shard-size", metavar="S", type=_int_range(1, MAX_WORLD_SIZE, "8"), default=None,
                    help="S, ranks per shard group of zero1-hybrid and zero2-hybrid; must divide --world-size")
     p.add_argument("--ranks", metavar="R,R,...", type=_rank_list, default=None,
@@ -202,11 +203,17 @@ def model_state_bound(mode: str, precision: Precision, shapes: Sequence[Sequence
     heaviest rank (:func:`shardopt.memory.estimate_plans`, over S ranks for the hybrid
     modes; with masters, the owner's fp32 master gradients at the step); zero3 holds 1/N of
     everything (fp32 shards with bf16-master). Every rank is charged the heaviest rank's
-    share, so the bound holds for each.
+    share, so the bound holds for each. The offload modes are bounded by their device side
+    (:func:`shardopt.memory.estimate_offload`): the parameters (zero1-offload: and their
+    gradients), nothing for zero3-offload.
     """
     mixed = precision.name != "fp32"
     k = {"fp32": 8.0, "bf16": 4.0, "bf16-master": 12.0}[precision.name]
     numel = sum(math.prod(s) for s in shapes)
+    if mode.endswith("-offload"):  # the device side only (Note [offload bytes per parameter] in shardopt.memory)
+        stage = {"zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[mode.removesuffix("-offload")]
+        row = next(r for r in estimate_offload(world_size, mixed) if r.stage == stage and r.offload)
+        return row.device * numel
     if mode == "zero3":
         return (4 + 4 + 8) * numel / world_size
     if mode == "ddp":

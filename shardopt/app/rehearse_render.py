@@ -41,8 +41,8 @@ def rank_row(plan: Plan, result: RankRehearsal) -> dict[str, Any]:
     prediction: Prediction | None = predict_steps(result.timelines, plan.link) if result.timelines else None
     row: dict[str, Any] = result.as_dict()
     row["model_state_bound_bytes"] = plan.bounds.get(result.rank)
-    row["fits"] = result.needed_bytes <= plan.device_memory
-    row["headroom_bytes"] = plan.device_memory - result.needed_bytes
+    row["fits"] = result.device_needed_bytes <= plan.device_memory
+    row["headroom_bytes"] = plan.device_memory - result.device_needed_bytes
     row["bytes_per_step"] = _bytes_per_step(result)
     if prediction is not None:
         tokens = result.tokens_per_step * result.world_size
@@ -57,7 +57,7 @@ def _title(plan: Plan) -> str:
     c = plan.config
     layout = f", S={c.shard_size}" if c.shard_size else ""
     ckpt = ", activation checkpointing" if c.checkpointing else ""
-    precision = "fp32 shards, bf16 compute" if c.mode == "zero3" and c.precision.name == "bf16-master" else \
+    precision = "fp32 shards, bf16 compute" if c.mode.startswith("zero3") and c.precision.name == "bf16-master" else \
         c.precision.describe()
     return (f"{c.spec.name} ({plan.num_params / 1e9:.3g}B params), {c.mode} at {precision}, "
             f"rank r of N={c.world_size}{layout}, batch {c.batch_size} x {c.seq_len} tokens{ckpt}, on {c.device}")
@@ -80,17 +80,20 @@ def render_rehearsal(plan: Plan, results: Sequence[RankRehearsal], stderr: bool 
     memory = Table(title=escape(f"memory, {unit}: {_title(plan)}"),
                    caption=escape("peak = the steady step's peak of tracked storages, split at the same event of the "
                                   "next step (params ... other sum to it; '*' marks a step that did not repeat); "
+                                  "host = what an offload mode keeps in host memory at that event (inside the "
+                                  "categories), device = peak - host; "
                                   "needed = the largest of the peak, the build's and the first step's; "
-                                  f"fits = needed <= --device-memory {show(plan.device_memory)} {unit}, (headroom); "
+                                  f"fits = needed (with offload: device) <= --device-memory {show(plan.device_memory)} {unit}, (headroom); "
                                   f"the plan's heaviest rank holds {show(max(plan.bounds.values()))} {unit} of model "
                                   "states by the ZeRO formulas over the real ownership plan (docs/rehearse.md)"))
-    for name in ("rank", *CATEGORIES, "peak", "build", "1st step", "needed", "fits"):
+    for name in ("rank", *CATEGORIES, "peak", "host", "device", "build", "1st step", "needed", "fits"):
         memory.add_column(name, justify="left" if name == "fits" else "right")
     for r, row in zip(results, rows, strict=True):
         parts = [show(getattr(r.memory, name)) for name in CATEGORIES]
         mark = "" if r.replay_matched else "*"
         fits = ("yes" if row["fits"] else "NO") + f" ({row['headroom_bytes'] / size:+.2f})"
-        memory.add_row(str(r.rank), *parts, show(r.peak_bytes) + mark, show(r.build_peak_bytes),
+        memory.add_row(str(r.rank), *parts, show(r.peak_bytes) + mark, show(r.memory.host), show(r.memory.device),
+                       show(r.build_peak_bytes),
                        show(r.first_step_peak_bytes), show(r.needed_bytes), fits)
     timing = Table(title=escape(f"time per step, on a link of {plan.link.gbps:g} Gbit/s and "
                                 f"{plan.link.latency_us:g} us per round"),

@@ -175,6 +175,11 @@ class FlatGroup:
             self.flat.grad = None
         self.layout = layout
 
+    @property
+    def grad_buffer(self) -> torch.Tensor | None:
+        """The masters' gradient buffer while it exists (an offloaded group keeps it between steps)."""
+        return self._grad
+
     def stepped_flat(self, index: int) -> bool:
         """Whether the optimizer steps ``params[index]``'s master as part of :attr:`flat` now."""
         return self.layout is Layout.FLAT and self.segments[index].in_flat

@@ -226,6 +226,10 @@ class OSS(Optimizer):
         """``"cpu"`` when masters and state live and step there (Note [offloaded masters]), else ``None``."""
         return None if self._masters.offload is None else self._masters.offload.type
 
+    def offloaded_buffers(self) -> list[torch.Tensor]:
+        """The host buffers of the masters and of their kept gradients (Note [offloaded masters]); ``[]`` without."""
+        return [t for g in self._masters.groups if g.host for t in (g.data, g.grad_buffer) if t is not None]
+
     @property
     def master_dtype(self) -> torch.dtype | None:
         """The dtype of the master weights (``None``: no masters; Note [master weights] in shardopt.optim.masters)."""
