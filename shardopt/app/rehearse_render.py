@@ -83,7 +83,8 @@ def render_rehearsal(plan: Plan, results: Sequence[RankRehearsal], stderr: bool 
                                   "host = what an offload mode keeps in host memory at that event (inside the "
                                   "categories), device = peak - host; "
                                   "needed = the largest of the peak, the build's and the first step's; "
-                                  f"fits = needed (with offload: device) <= --device-memory {show(plan.device_memory)} {unit}, (headroom); "
+                                  "fits = needed (with offload: device) <= --device-memory "
+                                  f"{show(plan.device_memory)} {unit}, (headroom); "
                                   f"the plan's heaviest rank holds {show(max(plan.bounds.values()))} {unit} of model "
                                   "states by the ZeRO formulas over the real ownership plan (docs/rehearse.md)"))
     for name in ("rank", *CATEGORIES, "peak", "host", "device", "build", "1st step", "needed", "fits"):
