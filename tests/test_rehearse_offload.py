@@ -17,6 +17,7 @@ from shardopt.app.cli import main
 from shardopt.app.precision import Precision
 from shardopt.app.rehearse import CATEGORIES, RankRehearsal, RehearsalConfig, rehearse_rank
 from shardopt.app.rehearse_build import build_rank, model_spec, num_params
+from shardopt.app.storage_trace import StorageTracker
 from shardopt.memory import estimate_offload
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
@@ -31,6 +32,7 @@ def _rehearse(mode: str, precision: Precision) -> RankRehearsal:
     parts = [getattr(result.memory, name) for name in CATEGORIES]
     assert result.replay_matched and sum(parts) == result.memory.total == result.peak_bytes, (mode, result.memory)
     assert result.memory.device + result.memory.host == result.peak_bytes, (mode, result.memory)
+    assert result.memory.host_held, (mode, result.memory)  # so device is the step's device peak too
     return result
 
 
@@ -112,3 +114,20 @@ def test_rehearse_offload_bad_combinations_are_one_line(capsys: pytest.CaptureFi
         ([*base, "--mode", "zero2-offload", "--shard-size", "2"],
          "--shard-size 2 applies to --mode zero1-hybrid and zero2-hybrid only"),
     ], capsys)
+
+
+def test_host_storages_born_in_the_step_or_freed_in_it_are_not_held() -> None:
+    from shardopt.app.rehearse import _held
+    from shardopt.app.storage_trace import storage_key
+
+    with StorageTracker("cpu") as tracker:
+        before = torch.empty(16)
+        start = tracker.events
+        during = torch.empty(16)
+        freed = torch.empty(16)
+        keys = [storage_key(t) for t in (before, during, freed)]
+        del freed
+        assert _held(tracker, frozenset(keys[:1]), start)
+        assert not _held(tracker, frozenset(keys[:2]), start)  # born in the step: the host may have grown in it
+        assert not _held(tracker, frozenset({keys[0], keys[2]}), start)  # freed before the step ended
+        del before, during

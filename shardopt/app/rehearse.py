@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -96,6 +96,8 @@ class MemoryBreakdown:
         phase: where in the step the peak fell (``forward``, ``backward``, ``step``).
         host: of the categories' bytes, those an offload mode keeps in host memory (Note
             [device and host at the peak]); 0 without offload.
+        host_held: every host storage alive at the peak was alive from the step's start to its
+            end, so :attr:`device` is the step's device peak too (Note [device and host at the peak]).
     """
 
     params: int
@@ -107,6 +109,7 @@ class MemoryBreakdown:
     other: int
     phase: str
     host: int = 0
+    host_held: bool = True
 
     @property
     def total(self) -> int:
@@ -207,18 +210,21 @@ class RankRehearsal:
 # device are the same memory, and `.device` cannot tell them apart). At the replayed event the
 # storages that Built.host_tensors names (Note [host storages of a rehearsal] in
 # shardopt.app.rehearse_build) are summed as `host`; they stay in their categories too, so the
-# categories still sum to the peak, and device = peak - host at the same event. That is the
-# device's own steady peak only when the host bytes do not change during the step: true of
-# zero1-offload and zero2-offload (masters, their kept gradient buffer and Adam's state all
-# persist from the first step on), not of zero3-offload, whose host gradients land at the end
-# of backward and are freed at zero_grad, so its device peak could fall at another event (it
-# does not at the sizes the tests run: there the peak is in backward before they land). The
-# build's and the first step's peaks are reported as device + host and not split. On a GPU
+# categories still sum to the peak, and device = peak - host at the same event. That is also
+# the step's device peak when every host storage alive at the peak was alive from the step's
+# start to its end (MemoryBreakdown.host_held, checked after the replayed step): then the host
+# bytes at any other event E of the step are at least those at the peak, so
+# device(E) = total(E) - host(E) <= total(peak) - host(peak). It holds for zero1-offload and
+# zero2-offload (masters, their kept gradient buffer and Adam's state persist from the first
+# step on) and for zero3-offload at the sizes the tests run (its peak is in backward, before
+# the reduced gradients land on the host; shards and Adam's state persist); where it does not
+# hold the report marks the device figure with '?'. The build's and the first step's peaks
+# are reported as device + host and not split. On a GPU
 # the tracker counts only CUDA storages, so host is 0 there and the peak is the device's.
 
 
 def _attribute(tracker: StorageTracker, built: Built, step_start: int, comm_offsets: frozenset[int],
-               phase: str) -> MemoryBreakdown:
+               phase: str) -> tuple[MemoryBreakdown, frozenset[int]]:
     live = tracker.live()
     seen: set[int] = set()
     device = tracker.device_type
@@ -233,14 +239,16 @@ def _attribute(tracker: StorageTracker, built: Built, step_start: int, comm_offs
     parts = {"optimizer": take(built.optimizer_tensors()), "masters": take(built.master_tensors()),
              "params": take(built.param_tensors()), "grads": take(built.grad_tensors())}
     host = {storage_key(t) for t in built.host_tensors() if t is not None and t.device.type == device}
-    parts["host"] = sum(live[k] for k in host if k in live and k in seen)
+    host_live = frozenset(k for k in host if k in live and k in seen)
     gathers = {storage_key(t) for t in built.gather_tensors()}
     to_come = {k for k in live if tracker.born(k) - step_start in comm_offsets}
     parts["comm"] = take(frozenset(tracker.comm_keys | gathers | to_come))
     rest = [k for k in live if k not in seen]
     parts["activations"] = sum(live[k] for k in rest if tracker.born(k) >= step_start)
     parts["other"] = sum(live[k] for k in rest if tracker.born(k) < step_start)
-    return MemoryBreakdown(**parts, phase=phase)
+    host_bytes = sum(live[k] for k in host_live)
+    return MemoryBreakdown(parts["params"], parts["grads"], parts["masters"], parts["optimizer"], parts["comm"],
+                           parts["activations"], parts["other"], phase, host_bytes), host_live
 
 
 def _one_step(config: RehearsalConfig, built: Built, batch: tuple[torch.Tensor, torch.Tensor],
@@ -291,9 +299,16 @@ def _watch(config: RehearsalConfig, built: Built, batch: tuple[torch.Tensor, tor
 _MAX_REPLAYS = 3
 
 
-def _look(found: list[MemoryBreakdown], tracker: StorageTracker, built: Built, previous: _Watched, start: int) -> None:
+def _look(found: list[tuple[MemoryBreakdown, frozenset[int]]], tracker: StorageTracker, built: Built,
+          previous: _Watched, start: int) -> None:
     """At the replayed event: what the live storages are (Note [what the peak is made of])."""
     found.append(_attribute(tracker, built, start, previous.comm_offsets, previous.phase))
+
+
+def _held(tracker: StorageTracker, host: frozenset[int], start: int) -> bool:
+    """Whether the host storages seen at the peak were born before the step and are alive after it."""
+    live = tracker.live()
+    return all(k in live and tracker.born(k) <= start for k in host)  # event `start` is the last before the step
 
 
 def _tracked_steps(config: RehearsalConfig, built: Built, batch: tuple[torch.Tensor, torch.Tensor],
@@ -305,18 +320,19 @@ def _tracked_steps(config: RehearsalConfig, built: Built, batch: tuple[torch.Ten
         first = _watch(config, built, batch, tracker)
         measured = _watch(config, built, batch, tracker)
         for _ in range(_MAX_REPLAYS):
-            found: list[MemoryBreakdown] = []
+            found: list[tuple[MemoryBreakdown, frozenset[int]]] = []
             previous = measured
             look = partial(_look, found, tracker, built, previous)
             measured = _watch(config, built, batch, tracker, look, previous.offset)
             if not found:
                 raise AssertionError(f"[rank {comm.group_rank(None)}] the replayed step ended before event "
                                      f"{previous.offset}: the step did not repeat (Note [the peak, replayed])")
-            if found[0].total == previous.peak:
+            memory = replace(found[0][0], host_held=_held(tracker, found[0][1], measured.start))
+            if memory.total == previous.peak:
                 break
     finally:
         gc.enable()
-    return first.peak, previous.peak, found[0]
+    return first.peak, previous.peak, memory
 
 
 def rehearse_on_group(config: RehearsalConfig, progress: Callable[[str], None] | None = None) -> RankRehearsal:

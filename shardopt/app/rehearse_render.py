@@ -81,7 +81,7 @@ def render_rehearsal(plan: Plan, results: Sequence[RankRehearsal], stderr: bool 
                    caption=escape("peak = the steady step's peak of tracked storages, split at the same event of the "
                                   "next step (params ... other sum to it; '*' marks a step that did not repeat); "
                                   "host = what an offload mode keeps in host memory at that event (inside the "
-                                  "categories), device = peak - host; "
+                                  "categories), device = peak - host ('?': maybe not the step's device peak); "
                                   "needed = the largest of the peak, the build's and the first step's; "
                                   "fits = needed (with offload: device) <= --device-memory "
                                   f"{show(plan.device_memory)} {unit}, (headroom); "
@@ -93,7 +93,8 @@ def render_rehearsal(plan: Plan, results: Sequence[RankRehearsal], stderr: bool 
         parts = [show(getattr(r.memory, name)) for name in CATEGORIES]
         mark = "" if r.replay_matched else "*"
         fits = ("yes" if row["fits"] else "NO") + f" ({row['headroom_bytes'] / size:+.2f})"
-        memory.add_row(str(r.rank), *parts, show(r.peak_bytes) + mark, show(r.memory.host), show(r.memory.device),
+        memory.add_row(str(r.rank), *parts, show(r.peak_bytes) + mark, show(r.memory.host),
+                       show(r.memory.device) + ("" if r.memory.host_held else "?"),
                        show(r.build_peak_bytes),
                        show(r.first_step_peak_bytes), show(r.needed_bytes), fits)
     timing = Table(title=escape(f"time per step, on a link of {plan.link.gbps:g} Gbit/s and "
