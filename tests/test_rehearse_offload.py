@@ -113,6 +113,10 @@ def test_rehearse_offload_bad_combinations_are_one_line(capsys: pytest.CaptureFi
          "--precision bf16: mode 'zero3-offload' is rehearsed at fp32 or bf16-master"),
         ([*base, "--mode", "zero2-offload", "--shard-size", "2"],
          "--shard-size 2 applies to --mode zero1-hybrid and zero2-hybrid only"),
+        # the device side only: bf16 parameters and their gradients, 4 bytes x 875,264 (estimate_offload's ZeRO-1 row)
+        (["rehearse", "--model", "small", "--world-size", "2", "--mode", "zero1-offload", "--device-memory", "1MiB"],
+         "--device-memory 1.00 MiB is too small for --model small in --mode zero1-offload at --world-size 2: a rank's "
+         "model states alone take 3.34 MiB"),
     ], capsys)
 
 
