@@ -15,12 +15,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardopt.app.cli import main
 from shardopt.app.precision import Precision
-from shardopt.app.rehearse import CATEGORIES, RankRehearsal, RehearsalConfig, rehearse_rank
+from shardopt.app.rehearse import CATEGORIES, RankRehearsal, RehearsalConfig, rehearse_on_group, rehearse_rank
 from shardopt.app.rehearse_build import build_rank, model_spec, num_params
 from shardopt.app.storage_trace import StorageTracker
 from shardopt.memory import estimate_offload
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
+from shardopt.testing import run_ranks
 from tests.helpers.cli import assert_one_line_errors
 
 TINY = model_spec("tiny", None)  # the built-in GPT: 42,880 parameters in 29 tensors
@@ -87,6 +88,21 @@ def test_zero3_offload_host_bytes_are_the_shards_and_the_state_and_leave_the_dev
         assert off.phase == "backward" and off.grads == 0
         assert off.host == 12 * slots + 4 * len(shapes) == off.params + off.optimizer, (precision.name, off)
         assert base.total - off.device == base.params + base.optimizer == off.host, (precision.name, off, base)
+
+
+def _real(rank: int, world_size: int, configs: list[RehearsalConfig]) -> list[tuple[int, int]]:
+    return [(r.peak_bytes, r.memory.host) for r in map(rehearse_on_group, configs)]
+
+
+@pytest.mark.distributed
+def test_fake_offload_rehearsal_equals_a_real_two_rank_gloo_run() -> None:
+    configs = [RehearsalConfig(TINY, mode, Precision("bf16-master"), N, batch_size=2, seq_len=16, steps=3)
+               for mode in ("zero1-offload", "zero2-offload", "zero3-offload")]
+    real = run_ranks(_real, N, configs, timeout_s=300)
+    for index, config in enumerate(configs):
+        for rank in range(N):
+            fake = rehearse_rank(config, rank)
+            assert real[rank][index] == (fake.peak_bytes, fake.memory.host), (config.mode, rank, real[rank][index])
 
 
 def test_rehearse_offload_reports_host_and_device_and_judges_the_fit_on_the_device(
