@@ -206,19 +206,17 @@ class OSS(Optimizer):
         return None if index is None else self._shard.owned.rows.get(index)
 
     def grad_holder(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The tensor whose ``.grad`` the step reads for this rank's rows of a trainable
-        ``param``: its master, the row view of a split parameter (Note [row views] in
-        :mod:`shardopt.optim.owned_rows`), or ``param`` itself; ``None`` where this rank owns
-        none of it or it is frozen."""
+        """The tensor whose ``.grad`` the step reads for this rank's rows of a trainable ``param``: its master,
+        the row view of a split parameter (Note [row views] in :mod:`shardopt.optim.owned_rows`), or ``param``
+        itself; ``None`` where this rank owns none of it or it is frozen."""
         index = self._index_of.get(param)
         if index is None or not self._shard.owned.owns(index) or not param.requires_grad:
             return None
         return self._shard.holder(index, param)
 
     def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` (this rank's owned rows of ``param``'s reduced gradient, as
-        ShardedDataParallel delivers it) to what the step reads: a master's gradient in its
-        buffer in one copy (to the host under offload), else :meth:`grad_holder`'s ``.grad``."""
+        """Add ``grad`` (this rank's rows of ``param``'s reduced gradient) to what the step reads: a master's
+        gradient in its buffer in one copy (to the host under offload), else :meth:`grad_holder`'s ``.grad``."""
         self._shard.add_grad(self._index_of[param], param, grad)
 
     @property
