@@ -34,6 +34,7 @@ from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
+from tests.helpers.oss import state_entries_equal
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
 
@@ -188,15 +189,9 @@ def _hybrid_zero2_checkpoint_rank(rank: int, world_size: int, root: str) -> dict
         resumed[fmt] = max_abs_diff(fresh.parameters(), model.parameters())
         flat, flat_opt, _ = _zero2(2, None)  # ZeRO-2 over the whole world: the same state, resharded
         load(paths[fmt], flat, flat_opt)
-        flat_state[fmt] = _state_equal(flat_opt.state_dict(all_ranks=True), saved)
+        flat_state[fmt] = state_entries_equal(flat_opt.state_dict(all_ranks=True)["state"], saved["state"])
     writers = _writer_ranks(paths["sharded"]) if rank == 0 else None
     return {"resumed": resumed, "flat_state": flat_state, "writers": writers}
-
-
-def _state_equal(got: dict[str, Any], want: dict[str, Any]) -> bool:
-    return got["state"].keys() == want["state"].keys() and all(
-        got["state"][i].keys() == entry.keys() and all(torch.equal(got["state"][i][k], v) for k, v in entry.items())
-        for i, entry in want["state"].items())
 
 
 def test_hybrid_zero2_checkpoints_resume_bit_for_bit_and_reload_flat(tmp_path: Any) -> None:

@@ -14,6 +14,7 @@ to and from the host are exact; a bf16 parameter has an fp32 master with or with
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
 from tests.helpers.masters import loss_of
+from tests.helpers.oss import state_entries_equal
 from tests.helpers.kernels import optimizer_kernels
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -97,7 +99,7 @@ def _train(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode: str
             if scaler is not None:
                 loss = scaler.scale(loss)
             quiet = mode == "no_sync" and k < micro - 1
-            with wrapped.no_sync() if quiet else _nothing():  # type: ignore[operator]
+            with wrapped.no_sync() if quiet else nullcontext():  # type: ignore[operator]
                 loss.backward()
         if scaler is not None:
             if step == 3 and rank == world_size - 1:  # an inf on one rank: every rank skips
@@ -119,26 +121,6 @@ def _train(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode: str
     return [p.detach().clone() for p in model.parameters()], state, norms
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _states_equal(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for i, entry in a.items():
-        if entry.keys() != b[i].keys():
-            return False
-        for name, value in entry.items():
-            if not torch.equal(torch.as_tensor(value), torch.as_tensor(b[i][name])):
-                return False
-    return True
-
-
 def _equality(rank: int, world_size: int, folder: str) -> dict[str, dict[str, bool]]:
     out: dict[str, dict[str, bool]] = {}
     for stage in STAGES:
@@ -150,7 +132,7 @@ def _equality(rank: int, world_size: int, folder: str) -> dict[str, dict[str, bo
                     params, state, norms = _train(rank, world_size, stage, dtype, mode, offload, folder, after)
                     out[f"{stage}/{dtype}/{mode}/{variant}"] = {
                         "params": all(torch.equal(x, y) for x, y in zip(params, base[0], strict=True)),
-                        "state": _states_equal(state, base[1]),
+                        "state": state_entries_equal(state, base[1]),
                         "norms": norms == base[2],
                         "moved": bool(params) and not all(torch.equal(x, y) for x, y in zip(params, mlp(dtype).parameters(),
                                                                                              strict=True)),

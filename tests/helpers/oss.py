@@ -3,7 +3,8 @@ is in :mod:`tests.helpers.ddp_arithmetic`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,3 +40,12 @@ def relative_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple
     diff = max((x.detach().float() - y.detach().float()).abs().max().item() for x, y in zip(a, b, strict=True))
     scale = max(y.detach().float().abs().max().item() for y in b)
     return diff, diff / max(scale, 1e-30)
+
+
+def state_entries_equal(got: Mapping[Any, Mapping[str, Any]], want: Mapping[Any, Mapping[str, Any]]) -> bool:
+    """Two optimizer state dicts' ``state`` parts hold the same entries with equal values, bit
+    for bit (tensors and plain numbers alike)."""
+    return got.keys() == want.keys() and all(
+        got[i].keys() == entry.keys()
+        and all(torch.equal(torch.as_tensor(got[i][k]), torch.as_tensor(v)) for k, v in entry.items())
+        for i, entry in want.items())
