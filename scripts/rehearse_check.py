@@ -9,15 +9,17 @@ For each model, mode and world size N it runs:
    :func:`shardopt.app.rehearse.rehearse_on_group` (three tracked steps, then timed steps,
    each started behind a barrier); the real step time is, per step, the slowest rank's wall
    time, and the median over the timed steps;
-3. the rehearsal of every rank under torch's fake group, one process each, started at the
-   same moment as the real run (:func:`side_by_side`), so that a rehearsed rank computes on
-   the same share of this machine's cores as a real one;
-4. the slowest rank's prediction on the measured link against the real step time, and each
-   rank's rehearsed peak memory against the real rank's.
+3. the rehearsal of every rank under torch's fake group, one process each, after the real
+   run, N at once with their timed steps behind a barrier (:func:`apart`), so that a
+   rehearsed rank computes on the same share of this machine's cores as a real one
+   (``--together``: started at the same moment as the real run, :func:`side_by_side`);
+4. the slowest rank's prediction on the measured link against the real step time (the CPU
+   model without overlap, the replay with overlap beside it: Note [the step time model]),
+   and each rank's rehearsed peak memory against the real rank's.
 
 Usage: ``python scripts/rehearse_check.py [--models small,27m] [--modes zero1,zero2,zero3]
-[--world-sizes 2,4] [--steps 8] [--json out.json]``. Slow on purpose (real training);
-numbers for docs/rehearse.md.
+[--world-sizes 2,4] [--steps 8] [--together] [--json out.json]``. Slow on purpose (real
+training); numbers for docs/rehearse.md.
 """
 
 from __future__ import annotations
@@ -69,11 +71,12 @@ def measure_link(world: int, reps: int = 15) -> Link:
     return Link(gbps=8 / slope / 1e9, latency_us=intercept / (world - 1) * 1e6)
 
 
-def _aligned(start: Any) -> Any:
-    """A progress callback that waits for every real and fake rank before the first timed step."""
+def _aligned(start: Any, every: bool = False) -> Any:
+    """A progress callback that waits for every rank at ``start`` before the first timed step
+    (``every``: before each timed step, as the real ranks' barrier does)."""
 
     def progress(line: str) -> None:
-        if line.startswith("timing step 1 "):
+        if line.startswith("timing step 1 ") or (every and line.startswith("timing step ")):
             start.wait(timeout=3600)
 
     return progress
@@ -89,9 +92,34 @@ def _real_run(config: RehearsalConfig, queue: Any, start: Any) -> None:
     queue.put(("real", run_ranks(_real_rank, config.world_size, config, start, timeout_s=3600)))
 
 
-def _fake_rank(config: RehearsalConfig, rank: int, queue: Any, start: Any) -> None:
+def _fake_rank(config: RehearsalConfig, rank: int, queue: Any, start: Any, every: bool = False) -> None:
     torch.set_num_threads(1)
-    queue.put((rank, rehearse_rank(config, rank, _aligned(start))))
+    queue.put((rank, rehearse_rank(config, rank, _aligned(start, every))))
+
+
+def apart(config: RehearsalConfig) -> tuple[list[dict[str, Any]], dict[int, RankRehearsal]]:
+    """The real N-rank run alone, then N fake ranks (one process each) whose timed steps start
+    together behind a barrier, as the real ranks' do.
+
+    Each phase runs N processes, so on a machine with fewer than N free cores a rehearsed rank
+    computes on the same share of the cores as a real one (the per-step barrier keeps a rank
+    that finishes early from handing its share to the others for the rest of the run), and
+    the real ranks' collectives are not delayed by processes the real run would not have (the
+    link is measured the same way).
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    start = ctx.Barrier(config.world_size)
+    _real_run(config, queue, start)
+    real = queue.get(timeout=3600)[1]
+    start = ctx.Barrier(config.world_size)
+    procs = [ctx.Process(target=_fake_rank, args=(config, r, queue, start, True)) for r in range(config.world_size)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return real, got
 
 
 def side_by_side(config: RehearsalConfig) -> tuple[list[dict[str, Any]], dict[int, RankRehearsal]]:
@@ -115,13 +143,14 @@ def side_by_side(config: RehearsalConfig) -> tuple[list[dict[str, Any]], dict[in
     return real, got
 
 
-def check(model: str, mode: str, world: int, steps: int, link: Link, batch: int, seq: int) -> dict[str, Any]:
+def check(model: str, mode: str, world: int, steps: int, link: Link, batch: int, seq: int,
+          together: bool = False) -> dict[str, Any]:
     """One model, mode and N: the real run beside its rehearsals, and their predictions."""
     precision = Precision("bf16-master")
     config = RehearsalConfig(model_spec(model, None), mode, precision, world, batch_size=batch, seq_len=seq,
                              steps=steps, threads=1)
     load0 = os.getloadavg()[0]
-    real, fake = side_by_side(config)
+    real, fake = side_by_side(config) if together else apart(config)
     per_step = [max(r["walls"][i] for r in real) for i in range(len(real[0]["walls"]))]
     measured = statistics.median(per_step)
     predictions = [_prediction(fake[r], link, measured) for r in range(world)]
@@ -138,9 +167,13 @@ def check(model: str, mode: str, world: int, steps: int, link: Link, batch: int,
 
 
 def _prediction(result: RankRehearsal, link: Link, measured: float) -> dict[str, float]:
-    p = predict_steps(result.timelines, link)
+    """The CPU model (no overlap, as ``shardopt rehearse --overlap auto`` on the CPU), and the
+    overlapped replay's figure beside it for comparison."""
+    p = predict_steps(result.timelines, link, overlap=False)
+    replay = predict_steps(result.timelines, link, overlap=True)
     return {"compute_s": p.compute_s, "comm_s": p.comm_s, "exposed_s": p.exposed_s, "predicted_s": p.step_s,
-            "error": p.step_s / measured - 1}
+            "error": p.step_s / measured - 1, "overlapped_s": replay.step_s,
+            "overlapped_error": replay.step_s / measured - 1}
 
 
 def main() -> None:
@@ -153,6 +186,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--together", action="store_true",
+                        help="run the fake ranks beside the real ones (default: the real ranks alone, then the fake "
+                             "ones; see apart())")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -161,14 +197,15 @@ def main() -> None:
         print(f"N={world}: gloo loopback {link.gbps:.2f} Gbit/s, {link.latency_us:.0f} us per round", flush=True)
         for model in args.models.split(","):
             for mode in args.modes.split(","):
-                row = check(model, mode, world, args.steps, link, args.batch, args.seq)
+                row = check(model, mode, world, args.steps, link, args.batch, args.seq, together=args.together)
                 rows.append(row)
                 pred = row["predicted"]
                 print(f"{model:6} {mode:6} N={world}: real {row['real_step_s']:.3f} s "
                       f"[{row['real_step_s_min']:.3f}-{row['real_step_s_max']:.3f}] (rank 0 compute "
                       f"{row['real_compute_s_rank0']:.3f}), predicted {pred['predicted_s']:.3f} s "
                       f"({pred['error']:+.0%}; compute {pred['compute_s']:.3f}, comm {pred['comm_s']:.3f}, exposed "
-                      f"{pred['exposed_s']:.3f}); peak real/rehearsed "
+                      f"{pred['exposed_s']:.3f}; overlapped {pred['overlapped_s']:.3f} s, {pred['overlapped_error']:+.0%}); "
+                      f"peak real/rehearsed "
                       f"{min(row['memory_ratios']):.4f}-{max(row['memory_ratios']):.4f}; load "
                       f"{row['load_before']:.1f}->{row['load_after']:.1f}", flush=True)
     if args.json:

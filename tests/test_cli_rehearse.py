@@ -29,7 +29,9 @@ def test_rehearse_defaults_play_rank_0_the_last_and_the_heaviest_and_their_categ
         assert sum(memory[name] for name in CATEGORIES) == memory["total"] == row["peak_bytes"]
         assert row["replay_matched"] and row["fits"] and row["headroom_bytes"] == 2**30 - row["needed_bytes"]
         prediction = row["prediction"]
-        assert prediction["step_s"] >= prediction["compute_s"] > 0
+        # on the CPU the default (--overlap auto) adds every collective to compute (Note [the step time model])
+        assert prediction["step_s"] == pytest.approx(prediction["compute_s"] + prediction["comm_s"])
+        assert prediction["comm_s"] > 0 and prediction["compute_s"] > 0
         assert prediction["tokens_per_s"] == pytest.approx(8 * 2 * 16 / prediction["step_s"])
         assert row["bytes_per_step"]["world"] > 0 and row["bytes_per_step"]["replicate"] == 0
     shown = capsys.readouterr().out  # the tables go to standard output when the JSON goes to a file
@@ -41,9 +43,20 @@ def test_rehearse_json_dash_writes_only_json_to_stdout(capfd: pytest.CaptureFixt
                  "--link-gbps", "25", "--latency-us", "3", "--json", "-"]) == 0
     out, err = capfd.readouterr()
     data = json.loads(out)
-    assert data["command"] == "rehearse" and data["activation_checkpointing"] is True
+    assert data["command"] == "rehearse" and data["activation_checkpointing"] is True and data["overlap"] is False
     assert [r["rank"] for r in data["ranks"]] == [1] and data["link"] == {"gbps": 25.0, "latency_us": 3.0}
-    assert "time per step" in err
+    assert "time per step" in err and "(no overlap)" in err
+
+
+def test_rehearse_overlap_yes_replays_communication_beside_compute(capfd: pytest.CaptureFixture[str]) -> None:
+    # a slow link so that the collectives take longer than the compute they could hide behind
+    assert main([*TINY, "--world-size", "2", "--mode", "zero3", "--ranks", "0", "--overlap", "yes",
+                 "--link-gbps", "0.01", "--latency-us", "0", "--json", "-"]) == 0
+    out, err = capfd.readouterr()
+    data = json.loads(out)
+    prediction = data["ranks"][0]["prediction"]
+    assert data["overlap"] is True and "communication beside compute" in err
+    assert prediction["hidden_s"] > 0 and prediction["step_s"] < prediction["compute_s"] + prediction["comm_s"]
 
 
 def test_rehearse_builds_a_factory_model_one_unit_at_a_time(tmp_path: Path) -> None:

@@ -160,6 +160,17 @@ def test_step_model_hides_what_compute_covers_and_charges_the_rest() -> None:
     assert predict(StepTimeline(1.0, 1.0, (_call(0.9, None, 2e8),)), link).step_s == pytest.approx(1.1)
 
 
+def test_step_model_without_overlap_adds_every_collective_to_compute() -> None:
+    link = Link(gbps=8.0, latency_us=0.0)
+    # the same step as above: hidden with overlap, added in full without (a CPU rank's cores move the bytes)
+    timeline = StepTimeline(1.0, 1.0, (_call(0.0, 1.0, 1e8), _call(0.5, 0.5, 1e8), _call(0.9, None, 2e8)))
+    assert predict(timeline, link).step_s == pytest.approx(1.2)
+    serial = predict(timeline, link, overlap=False)
+    assert serial.step_s == pytest.approx(1.4) and serial.comm_s == pytest.approx(0.4)
+    assert serial.exposed_s == pytest.approx(0.4) and serial.hidden_s == pytest.approx(0.0)
+    assert predict_steps([timeline, timeline], link, overlap=False).step_s == pytest.approx(1.4)
+
+
 def test_step_model_latency_counts_ring_rounds() -> None:
     assert [rounds(op, 4) for op in ("all_gather_into", "reduce_scatter", "all_reduce", "exchange")] == [3, 3, 6, 1]
     assert rounds("all_reduce", 1) == 0

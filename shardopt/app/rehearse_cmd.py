@@ -147,6 +147,10 @@ def add_rehearse_parser(sub: Any, epilog: str) -> None:
                    help=f"the target's bandwidth per rank and direction, Gbit/s (default {DEFAULT_LINK_GBPS:g})")
     p.add_argument("--latency-us", metavar="US", type=_number(strict=False), default=DEFAULT_LATENCY_US,
                    help=f"the target's latency per message round, microseconds (default {DEFAULT_LATENCY_US:g})")
+    p.add_argument("--overlap", choices=("auto", "yes", "no"), default="auto",
+                   help="whether communication runs beside compute in the prediction: yes (a GPU's network "
+                        "engines), no (CPU ranks, whose cores move the bytes themselves), auto (yes on a GPU, no on "
+                        "the CPU; the default)")
     p.add_argument("--threads", metavar="T", type=_int_range(1, 1024, "8"), default=None,
                    help="intra-op threads (default: torch's, usually every core)")
     p.add_argument("--seed", type=_int_range(0, 999_999, "0"), default=0,
@@ -167,6 +171,8 @@ class Plan:
         link: the target's link.
         num_params: the model's parameters.
         bounds: per rank, its model states by the plan (bytes; a lower bound of its peak).
+        overlap: whether the prediction lets communication run beside compute (Note [the
+            step time model] in :mod:`shardopt.app.step_model`).
     """
 
     config: RehearsalConfig
@@ -175,6 +181,7 @@ class Plan:
     link: Link
     num_params: int
     bounds: dict[int, float]
+    overlap: bool = True
 
 
 def _device(choice: str) -> torch.device:
@@ -303,7 +310,8 @@ def check_args(args: argparse.Namespace) -> Plan:
              f"{_gib(available)} available; raise --world-size, use --mode zero3, or rehearse on a larger machine")
     config = RehearsalConfig(spec, args.mode, precision, args.world_size, args.shard_size, args.batch_size, seq_len,
                              args.activation_checkpointing, args.steps, args.seed, device.type, args.threads)
-    return Plan(config, ranks, device_memory, Link(args.link_gbps, args.latency_us), count, bounds)
+    overlap = device.type != "cpu" if args.overlap == "auto" else args.overlap == "yes"
+    return Plan(config, ranks, device_memory, Link(args.link_gbps, args.latency_us), count, bounds, overlap)
 
 
 def _capacity(device: torch.device) -> int:

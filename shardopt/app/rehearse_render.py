@@ -38,7 +38,7 @@ def _bytes_per_step(result: RankRehearsal) -> dict[str, float]:
 
 def rank_row(plan: Plan, result: RankRehearsal) -> dict[str, Any]:
     """One rank's figures as plain values (a JSON row; the tables show the same)."""
-    prediction: Prediction | None = predict_steps(result.timelines, plan.link) if result.timelines else None
+    prediction: Prediction | None = predict_steps(result.timelines, plan.link, plan.overlap) if result.timelines else None
     row: dict[str, Any] = result.as_dict()
     row["model_state_bound_bytes"] = plan.bounds.get(result.rank)
     row["fits"] = result.device_needed_bytes <= plan.device_memory
@@ -97,8 +97,9 @@ def render_rehearsal(plan: Plan, results: Sequence[RankRehearsal], stderr: bool 
                        show(r.memory.device) + ("" if r.memory.host_held else "?"),
                        show(r.build_peak_bytes),
                        show(r.first_step_peak_bytes), show(r.needed_bytes), fits)
+    overlap = "communication beside compute" if plan.overlap else "communication added to compute (no overlap)"
     timing = Table(title=escape(f"time per step, on a link of {plan.link.gbps:g} Gbit/s and "
-                                f"{plan.link.latency_us:g} us per round"),
+                                f"{plan.link.latency_us:g} us per round, {overlap}"),
                    caption=escape("compute = measured step time less time inside collective calls (median of the "
                                   "timed steps); comm = every collective on the link; exposed = what the replayed "
                                   "step could not hide behind compute; predicted = compute + exposed; MB/step = "
@@ -131,7 +132,7 @@ def rehearsal_json(plan: Plan, results: Sequence[RankRehearsal]) -> dict[str, An
         "precision": c.precision.name, "world_size": c.world_size, "shard_size": c.shard_size,
         "batch_size": c.batch_size, "seq_len": c.seq_len, "activation_checkpointing": c.checkpointing,
         "steps": c.steps, "device": c.device, "device_memory_bytes": plan.device_memory,
-        "link": {"gbps": plan.link.gbps, "latency_us": plan.link.latency_us},
+        "link": {"gbps": plan.link.gbps, "latency_us": plan.link.latency_us}, "overlap": plan.overlap,
         "memory_method": "torch dispatch-mode storage tracking (docs/rehearse.md)",
         "ranks": [rank_row(plan, r) for r in results],
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,

@@ -27,6 +27,19 @@ gather after the step) costs all of ``t_c``:
 
     predicted = C + exposed,   exposed = replayed end - C.
 
+Overlap (``overlap``). The replay above assumes a device that computes while something
+else moves the bytes: a GPU, whose NCCL kernels and network engines run beside its compute
+kernels. A CPU rank has no such engine: gloo moves every byte with the rank's own cores
+(TCP over the kernel's sockets, memory copies), so when its ranks' threads fill the cores, as
+they do when ranks x threads >= cores, a collective's time is taken from compute, not hidden
+behind it. Without overlap the step is the sum:
+
+    predicted = C + sum over c of t_c   (exposed = every t_c).
+
+``shardopt rehearse --overlap auto`` (the default) replays with overlap on a GPU and sums on
+the CPU. Measured on this project's 2-core machine (docs/rehearse.md, "Validation"): the
+overlapped replay predicted CPU ranks 10-40% low, the sum within 25%.
+
 Not modelled: separate links for the shard and replicate groups (hybrid runs share the one
 link), contention between compute and communication for memory bandwidth or cores,
 in-network reduction and NCCL's tree algorithms (lower latency than ``r`` above at large
@@ -106,16 +119,21 @@ class Prediction:
         return self.comm_s - self.exposed_s
 
 
-def predict(timeline: StepTimeline, link: Link) -> Prediction:
+def predict(timeline: StepTimeline, link: Link, overlap: bool = True) -> Prediction:
     """Replay one step against ``link`` (Note [the step time model]).
 
     Args:
         timeline: the step as rehearsed.
         link: the link of the machines predicted for.
+        overlap: whether communication can run beside compute (a GPU); ``False`` adds every
+            collective's time to the compute (CPU ranks whose threads fill the cores).
 
     Returns:
         The prediction.
     """
+    if not overlap:
+        total = sum(link.seconds(call) for call in timeline.calls)
+        return Prediction(timeline.compute_s, total, timeline.compute_s + total)
     events: list[tuple[float, int, int]] = []  # (compute time, 0 issue / 1 wait, call index)
     for index, call in enumerate(timeline.calls):
         events.append((call.issued_s, 0, index))
@@ -139,7 +157,7 @@ def predict(timeline: StepTimeline, link: Link) -> Prediction:
     return Prediction(timeline.compute_s, total, max(clock, link_free))
 
 
-def predict_steps(timelines: Sequence[StepTimeline], link: Link) -> Prediction:
+def predict_steps(timelines: Sequence[StepTimeline], link: Link, overlap: bool = True) -> Prediction:
     """The median of :func:`predict` over several steps (each value the median of its own).
 
     Raises:
@@ -147,6 +165,6 @@ def predict_steps(timelines: Sequence[StepTimeline], link: Link) -> Prediction:
     """
     if not timelines:
         raise ValueError("predict_steps needs at least one step's timeline")
-    each = [predict(t, link) for t in timelines]
+    each = [predict(t, link, overlap) for t in timelines]
     return Prediction(statistics.median(p.compute_s for p in each), statistics.median(p.comm_s for p in each),
                       statistics.median(p.step_s for p in each))
