@@ -316,14 +316,19 @@ class MasterWeights:
 
     @torch.no_grad()
     def write_back(self, params: Sequence[torch.Tensor]) -> None:
-        """Round every master into its parameter and free the masters' gradients, but a
-        mirror's: that one goes on as its parameter's would (Note [mirrors carry gradients])."""
+        """Round every master into its parameter (after a step)."""
         if self._masters:
             targets = [params[i] if i not in self._rows else params[i][self._rows[i][0] : self._rows[i][1]]
                        for i in self._masters]
             torch._foreach_copy_(targets, list(self._masters.values()))
         for i in self._masters:
             self._agreed[i] = params[i]._version
+
+    @torch.no_grad()
+    def release_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Free the masters' gradients once the step has its own (Note [delayed update] in
+        :mod:`shardopt.optim.delayed_update`), but a mirror's: that one goes on as its
+        parameter's would (Note [mirrors carry gradients])."""
         kept = set()
         for i in self._mirrors:
             master, lent = self._masters[i], self._lent.get(i)
