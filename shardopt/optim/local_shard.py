@@ -96,6 +96,9 @@ class LocalShard:
     builds the wrapped optimizer over them in the global groups' order (a group's aligned
     masters as one flat tensor for an elementwise optimizer) and puts carried state back
     (live, or parked for frozen parameters: Note [parked state] in :mod:`shardopt.optim.oss`).
+    A step is :meth:`collect_grads` (the fold, also run early by clipping and the scaler), then
+    :meth:`prepare_step` and :meth:`run_step` now, or :meth:`launch` on a worker thread (Note
+    [delayed update] in :mod:`shardopt.optim.delayed_update`), and :meth:`release_grads`.
 
     Args:
         plan: the ownership plan over ``OSS.params``.

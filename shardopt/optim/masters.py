@@ -66,7 +66,9 @@ gradients]). A mirror holds nothing its parameter does not, so it is never saved
 today's keys and load with or without offload, and a mirror restarts from its parameter at a
 load or a re-partition, silently. On a CPU the parameters are already in host memory, so
 offload there only adds the mirrors' bytes; it exists there so that the same code (and its
-exactness against the run without offload) is tested on every machine.
+exactness against the run without offload) is tested on every machine. With
+``delay_update_after`` the step runs on a worker thread over a copy of the gradient buffer
+(Note [delayed update] in :mod:`shardopt.optim.delayed_update`).
 
 Note [mirrors carry gradients]
 Without offload an fp32 parameter is stepped as itself and its gradient outlives the step
