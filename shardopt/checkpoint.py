@@ -98,6 +98,8 @@ class ShardedOptimizer(Protocol):
 
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None: ...
 
+    def finish_update(self) -> None: ...
+
     def sharded_state_entries(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
 
     def sharded_state_template(self, saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]: ...
@@ -207,6 +209,8 @@ def save_consolidated(
                          "master_weights=False to save the parameters as they are")
     check_writable(path, sharded=False)
     _tidy(path)
+    if isinstance(optimizer, ShardedOptimizer):  # on every rank, before the model is read (Note [delayed update])
+        optimizer.finish_update()
     model_state = module.state_dict()  # on every rank: a collective for a ZeRO-3 wrapper
     optim_state: dict[str, Any] | None = None
     if isinstance(optimizer, ShardedOptimizer):
@@ -359,7 +363,7 @@ def _encode(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
         if optimizer is not None:
             state["optim"] = type(model).sharded_optim_state_dict(model, optimizer)
         return ("zero3" if optimizer is not None else None), state, {}
-    if isinstance(optimizer, ShardedOptimizer):
+    if isinstance(optimizer, ShardedOptimizer):  # entries first: they finish a delayed update (Note [delayed update])
         tensors, values = optimizer.sharded_state_entries()
         return "oss", {"model": model.state_dict(), "optim": tensors}, values
     if optimizer is not None:
@@ -520,13 +524,11 @@ def _agree(check: Callable[[], None]) -> None:
 def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load a folder written by :func:`save_sharded`, at any world size. Call on every rank.
 
-    How it works: the model's tensor names and shapes, the optimizer's groups and the
-    shape of every saved OSS state entry are checked against the folder's metadata first;
-    then dcp reads into copies, every rank verifies the checksums of what it read and the
-    ranks agree; only then do the model and the optimizer change (Note [checkpoint
-    integrity]). OSS state, parked state of frozen parameters included, goes to whichever
-    rank owns each parameter now. Folders of the older formats ``/1`` (no checksums) and
-    ``/2`` (no group sizes) load too.
+    How it works: the model's tensor names and shapes, the optimizer's groups and the shape of every saved OSS
+    state entry are checked against the folder's metadata first; then dcp reads into copies, every rank verifies
+    the checksums of what it read and the ranks agree; only then do the model and the optimizer change (Note
+    [checkpoint integrity]). OSS state, parked state of frozen parameters included, goes to whichever rank owns
+    each parameter now. Folders of the older formats ``/1`` (no checksums) and ``/2`` (no group sizes) load too.
 
     Args:
         path: the checkpoint folder.

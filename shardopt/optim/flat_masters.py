@@ -125,9 +125,11 @@ class FlatGroup:
 
     How it works: :attr:`data` holds every master, :attr:`masters` are views of it, and
     :attr:`flat` (when some segment is aligned) is the view over the aligned ones that the
-    wrapped optimizer steps while :attr:`layout` is ``FLAT``. Gradients go to segments of a
-    second buffer, allocated by the first :meth:`take_grads` and freed by :meth:`free_grads`.
-    The buffer's values are uninitialised until the owner fills the masters.
+    wrapped optimizer steps while :attr:`layout` is ``FLAT``; it steps the others as
+    :attr:`stepped`. Gradients go to segments of a second buffer, allocated by the first
+    :meth:`take_grads` and freed by :meth:`free_grads`; :meth:`point_step_grads` hands them to
+    the stepped tensors and :meth:`end_step` takes them back. The buffer's values are
+    uninitialised until the owner fills the masters.
 
     Args:
         number: the param group's position in ``OSS.param_groups``.
@@ -158,9 +160,15 @@ class FlatGroup:
         """Each master (a leaf view of :attr:`data`), by parameter index."""
         self.flat: torch.Tensor | None = self.data[:flat_numel].requires_grad_(True) if flat_numel else None
         """The view over the aligned segments, or ``None`` when there are none."""
+        self.stepped: dict[int, torch.Tensor] = self.masters if not host else {
+            s.index: self.data[s.offset : s.offset + s.numel].view(s.shape).requires_grad_(True) for s in segments}
+        """What the wrapped optimizer steps for each master outside :attr:`flat`: the master itself, or in host
+        memory a second leaf view of its segment, whose ``.grad`` only a step sets (Note [delayed update] in
+        :mod:`shardopt.optim.delayed_update`)."""
         self.layout = Layout.FLAT if self.flat is not None else Layout.VIEWS
         self._grad: torch.Tensor | None = None
         self._slots: dict[int, torch.Tensor] = {}
+        self._step_grad: torch.Tensor | None = None  # the step's own copy of _grad (Note [delayed update])
 
     @property
     def flat_members(self) -> list[int]:
@@ -179,6 +187,11 @@ class FlatGroup:
     def grad_buffer(self) -> torch.Tensor | None:
         """The masters' gradient buffer while it exists (an offloaded group keeps it between steps)."""
         return self._grad
+
+    @property
+    def step_grad_buffer(self) -> torch.Tensor | None:
+        """The copy of :attr:`grad_buffer` a delayed step reads, once one ran (Note [delayed update])."""
+        return self._step_grad
 
     def stepped_flat(self, index: int) -> bool:
         """Whether the optimizer steps ``params[index]``'s master as part of :attr:`flat` now."""
@@ -230,27 +243,56 @@ class FlatGroup:
         else:  # a gradient put there from outside: it moves into the buffer at the step (take_grads)
             master.grad.add_(grad.to(master.grad.device))
 
-    def prepare_step(self) -> bool:
-        """Point :attr:`flat`'s gradient at the buffer when every aligned master has one;
+    def choose_layout(self) -> bool:
+        """Keep stepping :attr:`flat` when every aligned master has a gradient (or none has);
         switch to ``VIEWS`` when only some do (Note [flat state falls back to views]).
 
         Returns:
-            Whether the layout switched (the optimizer's parameter lists must be rebuilt).
+            Whether the layout switched (the optimizer's state and parameter lists must follow).
         """
         if self.flat is None or self.layout is Layout.VIEWS:
             return False
         present = [self.has_grad(i) for i in self.flat_members]
-        if all(present):
-            assert self._grad is not None
-            self.flat.grad = self._grad[: self.flat.numel()]
-            return False
-        self.flat.grad = None
-        if not any(present):
+        if all(present) or not any(present):
             return False
         logger.info("param group %s: %d of %d masters have no gradient this step; stepping them as views from now on "
                     "(Note [flat state falls back to views])", self.number, present.count(False), len(present))
         self.use(Layout.VIEWS)
         return True
+
+    def point_step_grads(self, own_buffer: bool) -> None:
+        """Give what the optimizer steps the masters' gradients, after :meth:`choose_layout`:
+        :attr:`flat` the head of the buffer, each :attr:`stepped` view its segment. With
+        ``own_buffer`` (an offloaded group) they get a copy of the buffer that nothing else
+        writes, so the masters' gradients may change during the step (Note [delayed update]
+        in :mod:`shardopt.optim.delayed_update`). Call under ``torch.no_grad()``."""
+        assert self.host or not own_buffer, "only an offloaded group steps in the background"
+        present = {i for i in self.masters if self.has_grad(i)}
+        if not present:
+            return
+        assert self._grad is not None
+        source, slots = self._grad, self._slots
+        if own_buffer:
+            if self._step_grad is None:
+                self._step_grad = torch.empty(self._grad.shape, dtype=self._grad.dtype, device=self._grad.device,
+                                              pin_memory=self._pin)
+            source = self._step_grad.copy_(self._grad)
+            pieces = source.split_with_sizes([s.numel for s in self.segments.values()])
+            slots = {s.index: piece.view(s.shape) for s, piece in zip(self.segments.values(), pieces, strict=True)}
+        flat_members = set(self.flat_members) if self.layout is Layout.FLAT else set()
+        if self.flat is not None and flat_members and flat_members <= present:
+            self.flat.grad = source[: self.flat.numel()]
+        for i in present - flat_members:
+            self.stepped[i].grad = slots[i]
+
+    def end_step(self) -> None:
+        """Take the gradients :meth:`point_step_grads` gave back from the stepped tensors (the
+        masters' own stay: :meth:`free_grads` drops those)."""
+        if self.flat is not None:
+            self.flat.grad = None
+        if self.stepped is not self.masters:
+            for tensor in self.stepped.values():
+                tensor.grad = None
 
     def free_grads(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
         """Drop every master's gradient but those of ``keep`` (offloaded mirrors: Note [mirrors
@@ -261,8 +303,6 @@ class FlatGroup:
         for i, master in self.masters.items():
             if i not in keep:
                 master.grad = None
-        if self.flat is not None:
-            self.flat.grad = None
         if not self.host:
             self._grad = None
             self._slots = {}
@@ -322,5 +362,5 @@ class FlatGroup:
         flat_state = optim_state.pop(self.flat, None)
         if flat_state:
             for index, entry in self.split_state(flat_state).items():
-                optim_state[self.masters[index]] = entry
+                optim_state[self.stepped[index]] = entry
         self.use(Layout.VIEWS)

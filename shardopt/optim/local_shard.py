@@ -8,7 +8,7 @@ tensors and state of this rank's rows, keyed by index in ``OSS.params``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,15 +16,16 @@ from torch.optim import Optimizer
 
 from shardopt import comm
 from shardopt.agreement import raise_if_any_failed
+from shardopt.optim.delayed_update import DelayedUpdate
 from shardopt.optim.elementwise import updates_elementwise
 from shardopt.optim.flat_masters import FlatGroup, Layout, compact_state
 from shardopt.optim.masters import MasterWeights, needs_master
 from shardopt.optim.owned_rows import OwnedRows
-from shardopt.optim.state_transport import Fragments, StateByIndex, state_to_param
-from shardopt.partition import SplitPlan
+from shardopt.optim.state_transport import Fragments, StateByIndex, migrate, state_to_param
+from shardopt.partition import Partition, SplitPlan, cut_quantum, plan_split, plan_whole
 from shardopt.state_checks import MASTER_KEY
 
-__all__ = ["LocalShard", "group_ranges", "hyper"]
+__all__ = ["LocalShard", "group_ranges", "groups_by_rank", "hyper", "plan_ownership"]
 
 
 def hyper(group: dict[str, Any]) -> dict[str, Any]:
@@ -41,6 +42,51 @@ def group_ranges(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], ran
     return ranges
 
 
+def plan_ownership(params: Sequence[torch.Tensor], world_size: int, split: bool) -> tuple[SplitPlan, Partition]:
+    """Plan which rank owns which rows of each trainable parameter (pure: the same on every rank).
+
+    Args:
+        params: every parameter of OSS, in order (frozen ones get size 0).
+        world_size: the ranks to plan over.
+        split: cut parameters larger than their fair share into row blocks (``OSS.split_large_params``).
+
+    Returns:
+        The plan, and its fairscale-style :class:`~shardopt.partition.Partition` (a split parameter
+        listed with the owner of its first rows).
+
+    Raises:
+        ValueError: a trainable parameter is not contiguous.
+    """
+    for i, p in enumerate(params):
+        if p.requires_grad and not p.is_contiguous():
+            raise ValueError(
+                f"OSS needs contiguous parameters; parameter {i} (shape {tuple(p.shape)}, strides "
+                f"{p.stride()}) is not: make it contiguous before building the optimizer, e.g. "
+                "param.data = param.data.contiguous() or module.to(memory_format=torch.contiguous_format)"
+            )
+    sizes = [p.numel() * p.element_size() if p.requires_grad else 0 for p in params]
+    rows = [p.shape[0] if p.dim() else 1 for p in params]
+    if split:
+        quanta = [cut_quantum(p.numel() // r if r else 0) for p, r in zip(params, rows, strict=True)]
+        plan = plan_split(sizes, rows, world_size, quanta)
+    else:
+        plan = plan_whole(sizes, rows, world_size)
+    first = {b.param: b.owner for b in reversed(plan.blocks)}
+    return plan, Partition(world_size, tuple(sizes), tuple(first[i] for i in range(len(params))))
+
+
+def groups_by_rank(plan: SplitPlan, groups: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each rank's param groups restricted to the trainable parameters it owns rows of under ``plan``
+    (``OSS.partition_parameters``: ``result[rank][group]``; a split parameter is listed for each owner)."""
+    owned = [{b.param for b in plan.blocks_of_rank(r)} for r in range(plan.num_ranks)]
+    result: list[list[dict[str, Any]]] = [[] for _ in owned]
+    for g, indices in group_ranges(groups):
+        for mine, out in zip(owned, result, strict=True):
+            out.append({**hyper(g), "params": [p for i, p in zip(indices, g["params"], strict=True)
+                                               if i in mine and plan.sizes[i] > 0]})
+    return result
+
+
 class LocalShard:
     """This rank's part of an OSS under one plan.
 
@@ -50,6 +96,9 @@ class LocalShard:
     builds the wrapped optimizer over them in the global groups' order (a group's aligned
     masters as one flat tensor for an elementwise optimizer) and puts carried state back
     (live, or parked for frozen parameters: Note [parked state] in :mod:`shardopt.optim.oss`).
+    A step is :meth:`collect_grads` (the fold, also run early by clipping and the scaler), then
+    :meth:`prepare_step` and :meth:`run_step` now, or :meth:`launch` on a worker thread (Note
+    [delayed update] in :mod:`shardopt.optim.delayed_update`), and :meth:`release_grads`.
 
     Args:
         plan: the ownership plan over ``OSS.params``.
@@ -59,6 +108,7 @@ class LocalShard:
 
     def __init__(self, plan: SplitPlan, rank: int, masters: MasterWeights) -> None:
         self.owned = OwnedRows(plan, rank)
+        self.rank = rank
         self.masters = masters
         self.parked: StateByIndex = {}
         self.optim: Optimizer | None = None
@@ -114,8 +164,27 @@ class LocalShard:
         self._relist(params)
         for i, state in live.items():
             if not self._in_flat(i):
-                self.optim.state[self.holder(i, params[i])] = compact_state(state)
+                self.optim.state[self._stepped(i, params[i])] = compact_state(state)
         return self.optim
+
+    def receive(self, fragments: Fragments, params: Sequence[torch.Tensor], groups: list[dict[str, Any]],
+                group: comm.ProcessGroup | None) -> StateByIndex:
+        """The state of this plan's rows: every rank's old ``fragments`` whose rows changed owner are
+        sent to their new owners, one rank at a time, and kept ones stay; by index, on each
+        parameter's device (the host under offload) with its group's hyperparameters."""
+        kept = migrate(fragments, self.owned.plan, self.rank, self.owned.plan.num_ranks, group)
+        group_of = [g for g in groups for _ in g["params"]]
+        return {i: state_to_param(s, params[i], group_of[i], self.masters.offload) for i, s in kept.items()}
+
+    def push_hyperparams(self, groups: list[dict[str, Any]]) -> None:
+        """Copy the global groups' hyperparameters (schedulers, user edits) to the wrapped optimizer."""
+        for group, shard_group in zip(groups, self._live().param_groups, strict=True):
+            shard_group.update(hyper(group))
+
+    def pull_hyperparams(self, groups: list[dict[str, Any]]) -> None:
+        """Copy the wrapped optimizer's hyperparameters back to the global ``groups``."""
+        for group, shard_group in zip(groups, self._live().param_groups, strict=True):
+            group.update(hyper(shard_group))
 
     def _in_flat(self, index: int) -> bool:
         """Whether ``params[index]`` is stepped as part of a flat tensor now."""
@@ -132,7 +201,7 @@ class LocalShard:
                 if not any(t is flat_group.flat for t in out):
                     out.append(flat_group.flat)  # type: ignore[arg-type]
             else:
-                out.append(self.holder(i, params[i]))
+                out.append(self._stepped(i, params[i]))
         return out
 
     def _relist(self, params: Sequence[torch.Tensor]) -> None:
@@ -149,6 +218,12 @@ class LocalShard:
         view = self.owned.view(index)
         return param if view is None else view
 
+    def _stepped(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        """What the wrapped optimizer steps for ``params[index]`` outside a flat tensor: :meth:`holder`, or an
+        offloaded master's stepped view (Note [delayed update] in :mod:`shardopt.optim.delayed_update`)."""
+        flat_group = self.masters.group_of(index)
+        return self.holder(index, param) if flat_group is None else flat_group.stepped[index]
+
     def _live(self) -> Optimizer:
         assert self.optim is not None, "LocalShard.build() was not called"
         return self.optim
@@ -157,7 +232,7 @@ class LocalShard:
         """This rank's optimizer state (live and parked, masters under ``MASTER_KEY``), by index;
         a flat tensor's state is cut per parameter (Note [flat masters] in shardopt.optim.flat_masters)."""
         self.masters.follow_outside_writes(params)
-        index = {self.holder(i, p): i for group in self._groups for i, p in ((i, params[i]) for i in group)}
+        index = {self._stepped(i, p): i for group in self._groups for i, p in ((i, params[i]) for i in group)}
         state: StateByIndex = {}
         for tensor, entry in self._live().state.items():
             flat_group = self._flat_of.get(tensor)
@@ -175,19 +250,44 @@ class LocalShard:
         return {(i, *self.owned.rows[i]): s for i, s in self.state_by_index(params).items()}
 
     def collect_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Fold owned ``.grad`` into the masters' and link the row views' gradients (local);
-        point each flat tensor at its gradient, or step its group as views from now on when
-        only some of its masters have one (Note [flat state falls back to views])."""
+        """Fold owned ``.grad`` into the masters' and link the row views' gradients (local).
+        Touches nothing the wrapped optimizer steps (a delayed step may be running: Note
+        [delayed update] in :mod:`shardopt.optim.delayed_update`)."""
         self.owned.refresh(params)
         self.masters.fold_grads(params)
         self.owned.link_grads(params)
+
+    @torch.no_grad()
+    def prepare_step(self, params: Sequence[torch.Tensor], own_buffer: bool = False) -> None:
+        """Hand the gradients to what the wrapped optimizer steps, after :meth:`collect_grads`:
+        each group's flat tensor, or its views from now on when only some of its masters have
+        one (Note [flat state falls back to views] in :mod:`shardopt.optim.flat_masters`); with
+        ``own_buffer``, a copy the step alone reads (Note [delayed update])."""
         switched = False
         for flat_group in self.masters.groups:
-            if flat_group.prepare_step():
+            if flat_group.choose_layout():
                 flat_group.to_views(self._live().state)
                 switched = True
         if switched:
             self._relist(params)
+        for flat_group in self.masters.groups:
+            flat_group.point_step_grads(own_buffer)
+
+    def run_step(self, step: Callable[[], Any]) -> Any:
+        """Run ``step`` (the wrapped optimizer's) over what :meth:`prepare_step` handed it, then take
+        the gradients back from what it stepped; returns what ``step`` returned."""
+        try:
+            return step()
+        finally:
+            for flat_group in self.masters.groups:
+                flat_group.end_step()
+
+    def launch(self, params: Sequence[torch.Tensor], delay: DelayedUpdate, step: Callable[[], Any]) -> None:
+        """Hand ``step`` a copy of the gradients, release the masters' as a step does, and run it
+        on ``delay``'s worker thread (Note [delayed update] in :mod:`shardopt.optim.delayed_update`)."""
+        self.prepare_step(params, own_buffer=True)
+        self.release_grads(params)
+        delay.launch(lambda: self.run_step(step))
 
     @torch.no_grad()
     def add_grad(self, index: int, param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -201,10 +301,11 @@ class LocalShard:
         holder = self.holder(index, param)
         holder.grad = grad if holder.grad is None else holder.grad.add_(grad)
 
-    def after_step(self, params: Sequence[torch.Tensor]) -> None:
-        """Round the masters into the parameters and drop their gradients; keep the row views'
-        (Note [split gradients outlive the step] in shardopt.optim.owned_rows)."""
-        self.masters.write_back(params)
+    def release_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Drop the masters' gradients once the step has them (a mirror's goes on: Note [mirrors carry
+        gradients] in shardopt.optim.masters); keep the row views' (Note [split gradients outlive the
+        step] in shardopt.optim.owned_rows)."""
+        self.masters.release_grads(params)
         self.owned.after_step(params)
 
     def free_grads(self) -> None:
@@ -238,7 +339,7 @@ class LocalShard:
         position: dict[torch.Tensor, int] = {}
         for shard_group in optim.param_groups:
             position.update({t: len(position) + k for k, t in enumerate(shard_group["params"])})
-        index = {self.holder(i, params[i]): i for i in trainable}
+        index = {self._stepped(i, params[i]): i for i in trainable}
         local_state = {n: joined[t] if t in joined else live[index[t]] for t, n in position.items()
                        if t in joined or (t in index and index[t] in live)}
         local_groups = [{**hyper(g), "params": [position[t] for t in sg["params"]]}

@@ -66,7 +66,9 @@ gradients]). A mirror holds nothing its parameter does not, so it is never saved
 today's keys and load with or without offload, and a mirror restarts from its parameter at a
 load or a re-partition, silently. On a CPU the parameters are already in host memory, so
 offload there only adds the mirrors' bytes; it exists there so that the same code (and its
-exactness against the run without offload) is tested on every machine.
+exactness against the run without offload) is tested on every machine. With
+``delay_update_after`` the step runs on a worker thread over a copy of the gradient buffer
+(Note [delayed update] in :mod:`shardopt.optim.delayed_update`).
 
 Note [mirrors carry gradients]
 Without offload an fp32 parameter is stepped as itself and its gradient outlives the step
@@ -316,14 +318,19 @@ class MasterWeights:
 
     @torch.no_grad()
     def write_back(self, params: Sequence[torch.Tensor]) -> None:
-        """Round every master into its parameter and free the masters' gradients, but a
-        mirror's: that one goes on as its parameter's would (Note [mirrors carry gradients])."""
+        """Round every master into its parameter (after a step)."""
         if self._masters:
             targets = [params[i] if i not in self._rows else params[i][self._rows[i][0] : self._rows[i][1]]
                        for i in self._masters]
             torch._foreach_copy_(targets, list(self._masters.values()))
         for i in self._masters:
             self._agreed[i] = params[i]._version
+
+    @torch.no_grad()
+    def release_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Free the masters' gradients once the step has its own (Note [delayed update] in
+        :mod:`shardopt.optim.delayed_update`), but a mirror's: that one goes on as its
+        parameter's would (Note [mirrors carry gradients])."""
         kept = set()
         for i in self._mirrors:
             master, lent = self._masters[i], self._lent.get(i)

@@ -31,15 +31,15 @@ from shardopt.agreement import check_agreement, check_same_parameters
 from shardopt.clipping import ClipArgs
 from shardopt.hybrid import HybridLayout, resolve_group
 from shardopt.optim import sharded_entries
+from shardopt.optim.delayed_update import DelayedUpdate, check_delay_update_after
 from shardopt.optim.elementwise import resolve_split, warn_if_unbalanced
 from shardopt.optim.grad_norm import clip_for_wrapper, clip_params
 from shardopt.optim.masters import MasterWeights, check_master_dtype, check_offload, needs_master
-from shardopt.optim.local_shard import LocalShard, group_ranges, hyper
+from shardopt.optim.local_shard import LocalShard, group_ranges, groups_by_rank, hyper, plan_ownership
 from shardopt.optim.param_gather import DEFAULT_GATHER_BUCKET_BYTES, ParamGather
-from shardopt.optim.state_transport import (Fragments, Gap, Missing, Snapshot, StateByIndex, collect, cut_rows,
-                                            dropped, migrate, no_snapshot_error, refuse_stale_masters, state_to_param,
-                                            to_cpu)
-from shardopt.partition import Partition, SplitPlan, cut_quantum, plan_split, plan_whole
+from shardopt.optim.state_transport import (Gap, Missing, Snapshot, StateByIndex, collect, cut_rows, dropped,
+                                            no_snapshot_error, refuse_stale_masters, to_cpu)
+from shardopt.partition import Partition, SplitPlan
 from shardopt.state_checks import MASTER_KEY, check_state_dict_groups, check_state_fits
 
 __all__ = ["OSS"]
@@ -93,15 +93,19 @@ class OSS(Optimizer):
             their gradients and the optimizer state in host memory and steps there (Note
             [offloaded masters] in :mod:`shardopt.optim.masters`); ``None`` (default) keeps them
             on the parameters' device.
+        delay_update_after: with offload, after this many ordinary steps run each host step on a worker thread
+            while the next iteration computes at parameters one update stale (changes the results: Note [delayed
+            update] in :mod:`shardopt.optim.delayed_update`, :meth:`finish_update`). ``None`` (default): never.
         **defaults: keyword arguments of ``optim`` (``lr``, ``momentum``, ...).
 
     Raises:
-        TypeError: ``optim`` is not an optimizer class (e.g. an instance), or
-            ``master_dtype`` is not a ``torch.dtype``.
+        TypeError: ``optim`` is not an optimizer class (e.g. an instance), ``master_dtype`` is
+            not a ``torch.dtype``, or ``delay_update_after`` is not an int.
         RuntimeError: torch.distributed is not initialised.
         ValueError: the ranks passed different parameter lists, layouts or ``master_dtype``, a bad
             layout (``resolve_layout``), a trainable parameter is not contiguous, ``master_dtype`` is not floating or
-            cannot hold a parameter (narrower, or another format of the same width), or ``offload`` is not None or "cpu".
+            cannot hold a parameter (narrower, or another format of the same width), ``offload`` is not None or "cpu",
+            or ``delay_update_after`` is negative or given without offload.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class OSS(Optimizer):
         device_mesh: DeviceMesh | None = None,
         shard_size: int | None = None,
         offload: str | None = None,
+        delay_update_after: int | None = None,
         **defaults: Any,
     ) -> None:
         if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
@@ -129,6 +134,7 @@ class OSS(Optimizer):
         if master_dtype is not None:
             check_master_dtype(master_dtype, [])  # the type and kind now; the parameters below
         host = check_offload(offload)
+        delay = check_delay_update_after(delay_update_after, host)
         self.split_large_params = resolve_split(split_large_params, optim)
         comm.require_initialized("OSS")
         if broadcast_buffer_size != -1:
@@ -146,6 +152,7 @@ class OSS(Optimizer):
         self._checked_over = None if self._layout else self.group  # a layout: every rank of the world agrees
         self.world_size = comm.group_size(self.group)
         self.rank = comm.group_rank(self.group)
+        self._delay = DelayedUpdate(delay, self.rank)  # Note [delayed update] in shardopt.optim.delayed_update
         self.broadcast_fp16 = broadcast_fp16
         self._consolidated: Snapshot | Missing = Missing(Gap.NEVER)  # Note [snapshot freshness] in state_transport
         self._masters = MasterWeights(master_dtype, host)
@@ -157,7 +164,7 @@ class OSS(Optimizer):
         check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__),
                                 ("master_dtype", str(master_dtype)), ("split_large_params", str(self.split_large_params)),
                                 ("layout", self._layout.fingerprint() if self._layout else None),
-                                ("offload", offload)],
+                                ("offload", offload), ("delay_update_after", delay)],
                         self._checked_over,
                         "pass the same OSS arguments on every rank")  # Note [agree before the first collective] in agreement
         if check_master_dtype(master_dtype, self.params) or host:  # Note [clipping that bypasses the wrapper]
@@ -226,7 +233,8 @@ class OSS(Optimizer):
 
     def offloaded_buffers(self) -> list[torch.Tensor]:
         """The host buffers of the masters and of their kept gradients (Note [offloaded masters]); ``[]`` without."""
-        return [t for g in self._masters.groups if g.host for t in (g.data, g.grad_buffer) if t is not None]
+        return [t for g in self._masters.groups if g.host for t in (g.data, g.grad_buffer, g.step_grad_buffer)
+                if t is not None]
 
     @property
     def master_dtype(self) -> torch.dtype | None:
@@ -260,14 +268,7 @@ class OSS(Optimizer):
             parameters of that group ``rank`` owns rows of (a split parameter is listed for
             each of its owners).
         """
-        sizes = self._plan.sizes
-        owned = [{b.param for b in self._plan.blocks_of_rank(r)} for r in range(self.world_size)]
-        result: list[list[dict[str, Any]]] = [[] for _ in range(self.world_size)]
-        for g, indices in group_ranges(self.param_groups):
-            for r in range(self.world_size):
-                mine = [p for i, p in zip(indices, g["params"], strict=True) if i in owned[r] and sizes[i] > 0]
-                result[r].append({**hyper(g), "params": mine})
-        return result
+        return groups_by_rank(self._plan, self.param_groups)
 
     def refresh_trainable(self) -> None:
         """Re-partition after parameters were frozen or unfrozen. Call on every rank.
@@ -305,47 +306,23 @@ class OSS(Optimizer):
 
     def _repartition(self, migrate: bool) -> None:
         """Plan ownership, (re)build the shard optimizer and move state to the new owners."""
+        self.finish_update()
         params = self.params
-        for i, p in enumerate(params):
-            if p.requires_grad and not p.is_contiguous():
-                raise ValueError(
-                    f"OSS needs contiguous parameters; parameter {i} (shape {tuple(p.shape)}, strides "
-                    f"{p.stride()}) is not: make it contiguous before building the optimizer, e.g. "
-                    "param.data = param.data.contiguous() or module.to(memory_format=torch.contiguous_format)"
-                )
-        sizes = [p.numel() * p.element_size() if p.requires_grad else 0 for p in params]
+        self._plan, self._partition = plan_ownership(params, self.world_size, self.split_large_params)
         fragments = self._shard.fragments(self.params) if migrate else {}  # masters travel in them
-        rows = [p.shape[0] if p.dim() else 1 for p in params]
-        if self.split_large_params:
-            quanta = [cut_quantum(p.numel() // r if r else 0) for p, r in zip(params, rows, strict=True)]
-            self._plan = plan_split(sizes, rows, self.world_size, quanta)
-        else:
-            self._plan = plan_whole(sizes, rows, self.world_size)
-        first = {b.param: b.owner for b in reversed(self._plan.blocks)}
-        self._partition = Partition(self.world_size, tuple(sizes), tuple(first[i] for i in range(len(params))))
         self._shard = LocalShard(self._plan, self.rank, self._masters)
         self._trainable_sig = tuple(p.requires_grad for p in params)
-        old_state = self._migrate_state(fragments) if migrate else {}
+        old_state = self._shard.receive(fragments, params, self.param_groups, self.group) if migrate else {}
         self._index_of = {p: i for i, p in enumerate(params)}
         # See Note [shard optimizer rebuild].
         self.optim: Optimizer = self._shard.build(params, group_ranges(self.param_groups), self._optim_cls,
                                                   self._optim_defaults, old_state, self.group)
         self.state = self.optim.state  # type: ignore[assignment]
-        self._pull_hyperparams()
+        self._shard.pull_hyperparams(self.param_groups)
         self._gather = ParamGather(
             list(params), self._plan, self.rank, self.group, DEFAULT_GATHER_BUCKET_BYTES, self.broadcast_fp16
         )
         self._consolidated = dropped(self._consolidated, Gap.REPARTITIONED)
-
-    def _migrate_state(self, fragments: Fragments) -> StateByIndex:
-        """Send each state fragment whose rows changed owner to the new owners, one rank at a time."""
-        kept = migrate(fragments, self._plan, self.rank, self.world_size, self.group)
-        params, groups = self.params, self._group_of_global()
-        return {i: state_to_param(s, params[i], groups[i], self._masters.offload) for i, s in kept.items()}
-
-    def _group_of_global(self) -> list[dict[str, Any]]:
-        """The global param group of each parameter index."""
-        return [g for g in self.param_groups for _ in g["params"]]
 
     def _check_same_params_on_all_ranks(self) -> None:
         """Compare a fingerprint of the parameter list across ranks; name the first mismatch."""
@@ -353,22 +330,13 @@ class OSS(Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    def _push_hyperparams(self) -> None:
-        """Copy the global groups' hyperparameters (schedulers, user edits) to the shard."""
-        for group, shard_group in zip(self.param_groups, self.optim.param_groups, strict=True):
-            shard_group.update(hyper(group))
-
-    def _pull_hyperparams(self) -> None:
-        """Copy the shard groups' hyperparameters back to the global view."""
-        for group, shard_group in zip(self.param_groups, self.optim.param_groups, strict=True):
-            group.update(hyper(shard_group))
-
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then gather every rank's updated parameters. Call on every rank.
 
         With masters, the step uses each master's fp32 gradient (owned ``param.grad`` folded in
         first), updates the masters, rounds them into the parameters and frees the masters'
-        gradients (Note [master gradients] in shardopt.optim.masters).
+        gradients (Note [master gradients] in shardopt.optim.masters). With ``delay_update_after``, past the
+        warm-up it writes the last step's update and launches this one on a worker (Note [delayed update]).
 
         Args:
             closure: re-evaluates the model and returns the loss (as ``torch.optim``).
@@ -376,13 +344,19 @@ class OSS(Optimizer):
 
         Returns:
             The closure's loss, or ``None``.
+
+        Raises:
+            ValueError: a closure with ``delay_update_after``.
+            RuntimeError: the last delayed update failed (:meth:`finish_update`).
         """
         clipping.check_step(self, self.params, self.rank)  # Note [torch's GradScaler on sharded gradients]
+        self._delay.refuse_closure(closure)
         if tuple(p.requires_grad for p in self.params) != self._trainable_sig:
             _warn_once("trainable", "OSS: parameters were frozen or unfrozen; call refresh_trainable() on "
                        "every rank (ShardedDataParallel does it for you)")
+        self.finish_update()
         self._consolidated = dropped(self._consolidated, Gap.STEPPED)
-        self._push_hyperparams()
+        self._shard.push_hyperparams(self.param_groups)
         params = self.params
         self._masters.follow_outside_writes(params)
         if closure is not None:
@@ -393,17 +367,39 @@ class OSS(Optimizer):
                 # the masters before DDP's reduction in that backward (other ranks' were lost).
                 loss = user_closure()
                 self._shard.collect_grads(params)
+                self._shard.prepare_step(params)
                 return loss
 
-            loss = self.optim.step(closure=folding_closure, **kwargs)
+            loss = self._shard.run_step(lambda: self.optim.step(closure=folding_closure, **kwargs))
         else:
             self._shard.collect_grads(params)
-            loss = self.optim.step(**kwargs)
-        self._shard.after_step(params)
-        self._pull_hyperparams()
+            if self._delay.begin_step():  # Note [delayed update] in shardopt.optim.delayed_update
+                self._shard.launch(params, self._delay, lambda: self.optim.step(**kwargs))
+                self._shard.pull_hyperparams(self.param_groups)
+                return None
+            self._shard.prepare_step(params)
+            loss = self._shard.run_step(lambda: self.optim.step(**kwargs))
+        self._shard.release_grads(params)
+        self._shard.pull_hyperparams(self.param_groups)
+        self._write_update(params)
+        return loss
+
+    def _write_update(self, params: tuple[torch.Tensor, ...]) -> None:
+        """Round the masters into the parameters and gather every rank's."""
+        self._masters.write_back(params)
         self._gather.gather()
         self._masters.after_gather(params)
-        return loss
+
+    def finish_update(self) -> None:
+        """Wait for the update the last ``step()`` left running (``delay_update_after``) and write it into the
+        parameters, which lack it until then (Note [delayed update]). Call on every rank, e.g. before evaluating
+        and at the end of training; saving and consolidating call it. Without a pending update: nothing.
+
+        Raises:
+            RuntimeError: the update failed on its worker thread (raised once, before this rank's gather).
+        """
+        if self._delay.wait():
+            self._write_update(self.params)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -473,6 +469,7 @@ class OSS(Optimizer):
         if not isinstance(recipient_rank, int) or not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
                              f"got {recipient_rank!r}; pass the rank that will save the checkpoint")
+        self.finish_update()
         local = {key: to_cpu(s) for key, s in self._shard.fragments(self.params).items()}
         merged = collect(local, recipient_rank, self.rank, self.world_size, self.group)
         self._consolidated = (Missing(Gap.ELSEWHERE, recipient_rank) if merged is None
@@ -546,7 +543,9 @@ class OSS(Optimizer):
 
     def _install(self, state: StateByIndex, groups: list[dict[str, Any]]) -> None:
         """Take the saved hyperparameters of every group and the state of this rank's rows
-        (``state``: by index, already cut to the rows this rank owns, masters included)."""
+        (``state``: by index, already cut to the rows this rank owns, masters included); a pending
+        delayed update is dropped (Note [delayed update] in shardopt.optim.delayed_update)."""
+        self._delay.wait()
         for g, saved in zip(self.param_groups, groups, strict=False):
             g.update(hyper(saved))
         self._warn_ignored_masters([i for i, s in state.items() if MASTER_KEY in s])
@@ -572,6 +571,7 @@ class OSS(Optimizer):
             ``torch.distributed.checkpoint`` (each written by its owner only), the other values
             for a small metadata file.
         """
+        self.finish_update()
         return sharded_entries.encode(self._shard.fragments(self.params), self._plan.rows)
 
     def sharded_state_template(self, saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
