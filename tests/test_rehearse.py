@@ -171,6 +171,28 @@ def test_step_model_without_overlap_adds_every_collective_to_compute() -> None:
     assert predict_steps([timeline, timeline], link, overlap=False).step_s == pytest.approx(1.4)
 
 
+def test_step_model_charges_a_sparse_all_to_all_the_peers_it_messages() -> None:
+    link = Link(gbps=1e9, latency_us=10.0)
+    dense = CollectiveCall("all_to_all_pieces", "test", 8, "world", 0.0, 0.0, 0.0, 0.0, peers=7)
+    sparse = CollectiveCall("all_to_all_pieces", "test", 8, "world", 0.0, 0.0, 0.0, 0.0, peers=2)
+    unknown = CollectiveCall("all_to_all_pieces", "test", 8, "world", 0.0, 0.0, 0.0, 0.0)
+    assert link.seconds(dense) == pytest.approx(link.seconds(unknown)) == pytest.approx(7 * 10e-6)
+    assert link.seconds(sparse) == pytest.approx(2 * 10e-6)
+
+
+def test_recorded_all_to_all_peers_count_the_ranks_with_bytes() -> None:
+    # at N = 1024 most ranks own no part of a bucket of the 27M GPT, and ShardedDataParallel's
+    # receive rounds (Note [receive rounds]) have few senders: rank 0 messages far fewer than
+    # N - 1 peers in most of its all-to-alls, and none in some
+    config = RehearsalConfig(model_spec("27m", None), "zero2-split", Precision("bf16-master"), 1024, batch_size=1,
+                             seq_len=16, steps=4, threads=1)
+    calls = [c for c in rehearse_rank(config, 0).timelines[0].calls if c.op.startswith("all_to_all")]
+    peers = [c.peers for c in calls]
+    assert calls and all(p is not None and 0 <= p <= 1023 for p in peers), peers
+    assert sum(p for p in peers if p is not None) < 1023 * len(calls) / 2, peers
+    assert any(c.peers == 0 and c.sent_bytes == 0 for c in calls), peers
+
+
 def test_step_model_latency_counts_ring_rounds() -> None:
     assert [rounds(op, 4) for op in ("all_gather_into", "reduce_scatter", "all_reduce", "exchange")] == [3, 3, 6, 1]
     assert rounds("all_reduce", 1) == 0

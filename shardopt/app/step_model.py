@@ -12,7 +12,12 @@ message round). A collective takes
 with ``r`` the rounds of a ring: ``g - 1`` for an all-gather, a reduce-scatter and an
 all-to-all (shardopt's gloo and fake paths post all ``g - 1`` messages at once, a ring takes
 ``g - 1`` steps), ``2 (g - 1)`` for an all-reduce, ``g - 1`` for a broadcast (a pipelined
-chain) and 1 for a point-to-point exchange. The bytes are shardopt's counts (Note [bytes
+chain) and 1 for a point-to-point exchange. An all-to-all whose pieces for some ranks are
+empty sends them nothing (shardopt's point-to-point path skips empty pieces, and so does
+torch's NCCL all-to-all): its ``r`` is the number of peers it really messages, the larger of
+those it sends to and those it receives from (``CollectiveCall.peers``), ``g - 1`` when
+every piece has bytes. ShardedDataParallel's receive rounds (Note [receive rounds]) are such
+all-to-alls: at large N each round has a few senders. The bytes are shardopt's counts (Note [bytes
 per group] in :mod:`shardopt.app.group_bytes`: ring all-reduce ``2 (g - 1) / g`` of the
 tensor, all-gather ``(g - 1)`` shards, reduce-scatter ``(g - 1) / g`` of the input).
 The step is replayed on one clock with one link that carries one collective at a time,
@@ -91,7 +96,8 @@ class Link:
 
     def seconds(self, call: CollectiveCall) -> float:
         """``t_c`` of Note [the step time model]."""
-        return rounds(call.op, call.group_size) * self.latency_us * 1e-6 + call.wire_bytes * 8 / (self.gbps * 1e9)
+        steps = rounds(call.op, call.group_size) if call.peers is None else call.peers
+        return steps * self.latency_us * 1e-6 + call.wire_bytes * 8 / (self.gbps * 1e9)
 
 
 @dataclass(frozen=True)

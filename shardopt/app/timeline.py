@@ -55,6 +55,9 @@ class CollectiveCall:
             where every rank moves the whole tensor (the source sends it, the others receive it).
         issued_s: compute time at the call.
         waited_s: compute time when it was first waited, or ``None`` if not waited in the step.
+        peers: for an all-to-all, the most other ranks this rank sends to or receives from
+            in it (empty pieces are not messages: shardopt's point-to-point path skips them,
+            as torch's NCCL all-to-all does); ``None`` for the other collectives.
     """
 
     op: str
@@ -65,6 +68,7 @@ class CollectiveCall:
     wire_bytes: float
     issued_s: float
     waited_s: float | None
+    peers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,18 @@ class StepTimeline:
         for call in self.calls:
             out[call.group_kind] += call.sent_bytes
         return out
+
+
+def _peers(name: str, bound: dict[str, Any], group: Any) -> int | None:
+    """:attr:`CollectiveCall.peers` of an all-to-all call from its arguments; ``None`` otherwise."""
+    if name == "all_to_all":
+        sends, receives = list(bound["input_splits"]), list(bound["output_splits"])
+    elif name == "all_to_all_pieces":
+        sends, receives = [t.numel() for t in bound["inputs"]], [t.numel() for t in bound["outputs"]]
+    else:
+        return None
+    me = comm.group_rank(group)
+    return max(sum(1 for r, n in enumerate(counts) if n and r != me) for counts in (sends, receives))
 
 
 class TimelineRecorder:
@@ -148,7 +164,7 @@ class TimelineRecorder:
             self._records[id(record)] = len(self._issued)
             self._issued.append({"op": name, "label": bound.get("label", name), "group_size": comm.group_size(group),
                                  "group_kind": kind, "sent_bytes": sum(sent.values()), "wire_bytes": wire,
-                                 "issued_s": at, "waited_s": None})
+                                 "issued_s": at, "waited_s": None, "peers": _peers(name, bound, group)})
             return record
 
         return recorded
