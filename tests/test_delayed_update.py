@@ -30,7 +30,7 @@ from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import RankFailure, run_ranks
 from tests.helpers.clip import norms_within
-from tests.helpers.masters import loss_of, sdp_reduce
+from tests.helpers.masters import backward_micro_steps, loss_of, sdp_reduce
 from tests.helpers.oss import state_entries_equal
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -129,13 +129,7 @@ def _delayed(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode: s
             model[2].weight.requires_grad_(not frozen)  # type: ignore[index]  # ShardedDataParallel re-plans at the forward
         opt.zero_grad(set_to_none=step % 2 == 0)
         micro = 2 if mode in ACCUMULATING else 1
-        for k in range(micro):
-            loss = loss_of(wrapped, rank, 10 * step + k, dtype)
-            if scaler is not None:
-                loss = scaler.scale(loss)
-            quiet = mode == "no_sync" and k < micro - 1
-            with wrapped.no_sync() if quiet else nullcontext():  # type: ignore[operator]
-                loss.backward()
+        backward_micro_steps(wrapped, rank, step, micro, dtype, scaler, no_sync=mode == "no_sync")
         if scaler is not None:
             if step == INF_STEP and rank == world_size - 1:  # on one rank only: every rank skips
                 opt.collect_master_grads()

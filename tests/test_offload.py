@@ -14,7 +14,6 @@ to and from the host are exact; a bf16 parameter has an fp32 master with or with
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -26,7 +25,7 @@ from shardopt import checkpoint
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
-from tests.helpers.masters import loss_of
+from tests.helpers.masters import backward_micro_steps, loss_of
 from tests.helpers.oss import state_entries_equal
 from tests.helpers.kernels import optimizer_kernels
 
@@ -94,13 +93,7 @@ def _train(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode: str
         if mode != "carry" or step % 3 == 0:  # carry: gradients summed across steps, as DDP does
             opt.zero_grad(set_to_none=step % 2 == 0)
         micro = 2 if mode in ("accumulate", "no_sync") else 1
-        for k in range(micro):
-            loss = loss_of(wrapped, rank, 10 * step + k, dtype)
-            if scaler is not None:
-                loss = scaler.scale(loss)
-            quiet = mode == "no_sync" and k < micro - 1
-            with wrapped.no_sync() if quiet else nullcontext():  # type: ignore[operator]
-                loss.backward()
+        backward_micro_steps(wrapped, rank, step, micro, dtype, scaler, no_sync=mode == "no_sync")
         if scaler is not None:
             if step == 3 and rank == world_size - 1:  # an inf on one rank: every rank skips
                 opt.collect_master_grads()

@@ -4,6 +4,7 @@ reference that does the arithmetic of ZeRO-1/2 with fp32 masters cast for cast."
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,6 +27,18 @@ def low_batch(rank: int, step: int, dtype: torch.dtype = LOW) -> torch.Tensor:
 
 def loss_of(model: nn.Module, rank: int, step: int, dtype: torch.dtype = LOW) -> torch.Tensor:
     return model(low_batch(rank, step, dtype)).float().pow(2).mean()
+
+
+def backward_micro_steps(wrapped: Any, rank: int, step: int, micro: int, dtype: torch.dtype,
+                         scaler: Any = None, no_sync: bool = False) -> None:
+    """``micro`` backward passes of :func:`loss_of` on rank ``rank``'s batches ``10 * step + k``,
+    scaled by ``scaler`` when given; with ``no_sync`` all but the last under ``wrapped.no_sync()``."""
+    for k in range(micro):
+        loss = loss_of(wrapped, rank, 10 * step + k, dtype)
+        if scaler is not None:
+            loss = scaler.scale(loss)
+        with wrapped.no_sync() if no_sync and k < micro - 1 else nullcontext():
+            loss.backward()
 
 
 def max_ulps(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor], dtype: torch.dtype = LOW) -> float:
