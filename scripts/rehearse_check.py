@@ -97,6 +97,16 @@ def _fake_rank(config: RehearsalConfig, rank: int, queue: Any, start: Any, every
     queue.put((rank, rehearse_rank(config, rank, _aligned(start, every))))
 
 
+def _results(procs: list[Any], queue: Any) -> dict[Any, Any]:
+    """Start ``procs``, collect the ``(key, result)`` each puts on ``queue``, join them."""
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return got
+
+
 def apart(config: RehearsalConfig) -> tuple[list[dict[str, Any]], dict[int, RankRehearsal]]:
     """The real N-rank run alone, then N fake ranks (one process each) whose timed steps start
     together behind a barrier, as the real ranks' do.
@@ -113,13 +123,8 @@ def apart(config: RehearsalConfig) -> tuple[list[dict[str, Any]], dict[int, Rank
     _real_run(config, queue, start)
     real = queue.get(timeout=3600)[1]
     start = ctx.Barrier(config.world_size)
-    procs = [ctx.Process(target=_fake_rank, args=(config, r, queue, start, True)) for r in range(config.world_size)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    return real, got
+    return real, _results([ctx.Process(target=_fake_rank, args=(config, r, queue, start, True))
+                           for r in range(config.world_size)], queue)
 
 
 def side_by_side(config: RehearsalConfig) -> tuple[list[dict[str, Any]], dict[int, RankRehearsal]]:
@@ -134,11 +139,7 @@ def side_by_side(config: RehearsalConfig) -> tuple[list[dict[str, Any]], dict[in
     start = ctx.Barrier(2 * config.world_size)  # the timed steps of every real and fake rank begin together
     procs = [ctx.Process(target=_real_run, args=(config, queue, start))]
     procs += [ctx.Process(target=_fake_rank, args=(config, r, queue, start)) for r in range(config.world_size)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    got = _results(procs, queue)
     real = got.pop("real")
     return real, got
 
