@@ -2,7 +2,11 @@
 tensor per parameter and over one flat tensor, shardopt's flat masters (``OSS.step`` whole:
 gradient fold, the wrapped optimizer's step, rounding into bf16 parameters), the same with
 ``offload="cpu"`` (over fp32 parameters, whose masters are then exact mirrors, and bf16), and DeepSpeed's
-``DeepSpeedCPUAdam`` (ZeRO-Offload's host optimizer) when it is importable.
+``DeepSpeedCPUAdam`` (ZeRO-Offload's host optimizer, over tensors allocated as DeepSpeed allocates its
+fp32 partition and state) when it is importable. Two rows run torch's fused Adam and DeepSpeed's
+CPUAdam over the placed host buffers OSS steps in (Note [host buffer placement] in
+shardopt.host_memory), which shows how much of OSS's host step speed is the placement and how
+much the kernel.
 
 Usage (from the repository root)::
 
@@ -46,6 +50,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from shardopt.host_memory import host_empty, place_state  # noqa: E402
 from shardopt.optim import OSS  # noqa: E402
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -63,33 +68,53 @@ def sizes(params: int, tensors: int) -> list[int]:
     return out
 
 
-def torch_row(numels: list[int], **form: bool) -> Setup:
+def _tensor(numel: int, gen: torch.Generator, slot: int | None) -> torch.Tensor:
+    """Random fp32 values, in torch's allocation or (``slot``) a placed host buffer (Note [host
+    buffer placement] in shardopt.host_memory)."""
+    values = torch.randn(numel, generator=gen)
+    return values if slot is None else host_empty(numel, torch.float32, slot).copy_(values)
+
+
+def _placing(step: Callable[[], object], state: dict[torch.Tensor, dict[str, object]], placed: bool
+             ) -> Callable[[], object]:
+    """``step``, then (``placed``) the optimizer state moved into placed buffers as OSS does."""
+    def run() -> object:
+        out = step()
+        for p, entry in state.items():
+            if placed and entry:
+                place_state(entry, p, 2)  # type: ignore[arg-type]
+        return out
+    return run
+
+
+def torch_row(numels: list[int], placed: bool = False, **form: bool) -> Setup:
     """torch.optim.Adam in one of its forms (``foreach``/``fused``) over fp32 tensors of ``numels``."""
     def setup() -> tuple[Callable[[], None], Callable[[], object]]:
         gen = torch.Generator().manual_seed(0)
-        ps = [torch.randn(n, generator=gen).requires_grad_() for n in numels]
-        grads = [torch.randn(n, generator=gen) for n in numels]
+        ps = [_tensor(n, gen, 0 if placed else None).requires_grad_() for n in numels]
+        grads = [_tensor(n, gen, 1 if placed else None) for n in numels]
         opt = torch.optim.Adam(ps, **HYPER, **form)  # type: ignore[arg-type]
 
         def set_grads() -> None:
             for p, g in zip(ps, grads, strict=True):
                 p.grad = g
-        return set_grads, opt.step
+        return set_grads, _placing(opt.step, opt.state, placed)  # type: ignore[arg-type]
     return setup
 
 
-def deepspeed_row(params: int) -> Setup:
-    """DeepSpeed's CPUAdam over one flat fp32 tensor (ZeRO-Offload's partition)."""
+def deepspeed_row(params: int, placed: bool = False) -> Setup:
+    """DeepSpeed's CPUAdam over one flat fp32 tensor (ZeRO-Offload's partition); ``placed``: its
+    tensors moved into shardopt's placed host buffers (what the placement does for any kernel)."""
     def setup() -> tuple[Callable[[], None], Callable[[], object]]:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # a benchmark peer only
         gen = torch.Generator().manual_seed(0)
-        p = torch.randn(params, generator=gen).requires_grad_()
-        g = torch.randn(params, generator=gen)
+        p = _tensor(params, gen, 0 if placed else None).requires_grad_()
+        g = _tensor(params, gen, 1 if placed else None)
         opt = DeepSpeedCPUAdam([p], adamw_mode=False, **HYPER)  # type: ignore[arg-type]
 
         def set_grads() -> None:
             p.grad = g
-        return set_grads, opt.step
+        return set_grads, _placing(opt.step, opt.state, placed)  # type: ignore[arg-type]
     return setup
 
 
@@ -154,6 +179,7 @@ def main() -> None:
         f"torch Adam fused, {n} tensors": torch_row(numels, fused=True),
         "torch Adam for-loop, 1 flat tensor": torch_row([args.params], foreach=False),
         "torch Adam fused, 1 flat tensor": torch_row([args.params], fused=True),
+        "torch Adam fused, 1 flat tensor, placed buffers": torch_row([args.params], placed=True, fused=True),
         f"shardopt OSS.step flat masters, Adam for-loop, {n} bf16 params": shardopt_row(numels, foreach=False),
         f"shardopt OSS.step flat masters, Adam fused, {n} bf16 params": shardopt_row(numels, fused=True),
         "  its wrapped optimizer's step only (Adam fused)": shardopt_row(numels, inner=True, fused=True),
@@ -166,6 +192,7 @@ def main() -> None:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
         rows["DeepSpeed CPUAdam, 1 flat tensor"] = deepspeed_row(args.params)
+        rows["DeepSpeed CPUAdam, 1 flat tensor, placed buffers"] = deepspeed_row(args.params, placed=True)
     except Exception as exc:  # noqa: BLE001 - any failure to import or build: report it, run the rest
         print(f"DeepSpeed CPUAdam not available: {type(exc).__name__}: {exc}")
     if args.rows:
@@ -183,7 +210,7 @@ def main() -> None:
     print(f"P={args.params:,} parameters, {args.threads} threads, {os.cpu_count()} CPUs, load average "
           f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, torch {torch.__version__}")
     medians = {k: statistics.median(v) for k, v in results.items() if v}
-    ds = medians.get("DeepSpeed CPUAdam, 1 flat tensor")
+    ds = medians.get("DeepSpeed CPUAdam, 1 flat tensor")  # as DeepSpeed's ZeRO-Offload allocates it
     print(f"{'row':62} {'median ms':>10} {'min ms':>9} {'vs DeepSpeed':>13}")
     for name, median in medians.items():
         ratio = f"{median / ds:.2f}x" if ds else "-"

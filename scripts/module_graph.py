@@ -44,6 +44,8 @@ LEVELS: dict[str, int] = {
     # pure helpers, no shardopt imports
     "shardopt.failures": 0, "shardopt.files": 0, "shardopt.partition": 0,
     "shardopt.placeholders": 0, "shardopt.state_checks": 0,
+    # host buffers on huge pages at staggered offsets (Note [host buffer placement])
+    "shardopt.host_memory": 0,
     # the ZeRO formulas next to the real ownership plans (reads partition)
     "shardopt.memory": 1,
     # process groups formed on a store namespace of their own torchrun attempt (reads failures)

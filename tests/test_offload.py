@@ -9,6 +9,9 @@ Why exact: on a CPU the offloaded step runs the same torch kernels on the same v
 fp32 parameter's mirror is its exact copy, and its flat step equals its per-parameter step
 over aligned segments (Note [aligned segments] in shardopt.optim.flat_masters); the copies
 to and from the host are exact; a bf16 parameter has an fp32 master with or without offload.
+The offloaded runs place every host buffer however small (Note [host buffer placement] in
+shardopt.host_memory), the reference runs on torch's own allocations: placement moves
+addresses, never values.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import shardopt.host_memory as host_memory
 from shardopt import checkpoint
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
@@ -38,6 +42,8 @@ MODES = ("plain", "accumulate", "no_sync", "carry", "clip", "scaler", "freeze", 
 CHECKPOINT_VARIANTS = {"offload-to-offload": ("cpu", "cpu"), "offload-to-device": ("cpu", None),
                        "device-to-offload": (None, "cpu")}
 """Saved with / loaded into offload (the reference saves and loads without)."""
+PLAIN = 1 << 62
+"""A placement threshold no buffer reaches (Note [host buffer placement] in shardopt.host_memory)."""
 
 
 def mlp(dtype: torch.dtype, seed: int = 0) -> nn.Module:
@@ -119,9 +125,11 @@ def _equality(rank: int, world_size: int, folder: str) -> dict[str, dict[str, bo
     for stage in STAGES:
         for dtype in (F32, BF16):
             for mode in MODES:
+                host_memory.MIN_PLACED_BYTES = PLAIN  # the reference: torch's own allocations
                 base = _train(rank, world_size, stage, dtype, mode, None, folder)
                 variants = CHECKPOINT_VARIANTS if mode == "checkpoint" else {"offload": ("cpu", None)}
                 for variant, (offload, after) in variants.items():
+                    host_memory.MIN_PLACED_BYTES = 0  # every host buffer placed, however small
                     params, state, norms = _train(rank, world_size, stage, dtype, mode, offload, folder, after)
                     out[f"{stage}/{dtype}/{mode}/{variant}"] = {
                         "params": all(torch.equal(x, y) for x, y in zip(params, base[0], strict=True)),

@@ -55,12 +55,18 @@ from typing import Any
 
 import torch
 
+from shardopt.host_memory import host_empty, place_state
 from shardopt.optim.state_transport import compact
 from shardopt.partition import CUT_ALIGN_ELEMENTS
 
 __all__ = ["FlatGroup", "Layout", "Segment", "compact_state", "plan_segments"]
 
 logger = logging.getLogger(__name__)
+
+# The offsets within a page of the streams a host step reads together (Note [host buffer placement]
+# in shardopt.host_memory): the masters, their gradients (or the delayed step's copy of them), then
+# each flat optimizer state tensor from STATE_SLOT on.
+MASTERS_SLOT, GRADS_SLOT, STATE_SLOT, STEP_GRADS_SLOT = 0, 1, 2, 6
 
 
 class Layout(enum.Enum):
@@ -153,7 +159,7 @@ class FlatGroup:
         self.host = host
         """Whether the buffers are offloaded host memory whose gradient buffer outlives a step."""
         self._pin = pin
-        self.data = torch.empty(sum(s.numel for s in segments), device=device, dtype=dtype, pin_memory=pin)
+        self.data = self._empty(sum(s.numel for s in segments), device, dtype, MASTERS_SLOT)
         """The buffer holding every master of the group."""
         self.masters: dict[int, torch.Tensor] = {
             s.index: self.data[s.offset : s.offset + s.numel].view(s.shape).requires_grad_(True) for s in segments}
@@ -169,6 +175,13 @@ class FlatGroup:
         self._grad: torch.Tensor | None = None
         self._slots: dict[int, torch.Tensor] = {}
         self._step_grad: torch.Tensor | None = None  # the step's own copy of _grad (Note [delayed update])
+
+    def _empty(self, numel: int, device: torch.device, dtype: torch.dtype, slot: int) -> torch.Tensor:
+        """A buffer of the group: in pageable host memory placed for the host step (Note [host
+        buffer placement] in :mod:`shardopt.host_memory`), else torch's (pinned when asked)."""
+        if device.type == "cpu" and not self._pin:
+            return host_empty(numel, dtype, slot)
+        return torch.empty(numel, device=device, dtype=dtype, pin_memory=self._pin)
 
     @property
     def flat_members(self) -> list[int]:
@@ -202,8 +215,7 @@ class FlatGroup:
     def _slots_now(self) -> dict[int, torch.Tensor]:
         """Each master's view of the gradient buffer (allocating the buffer and the views)."""
         if self._grad is None:
-            self._grad = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.data.device,
-                                     pin_memory=self._pin)
+            self._grad = self._empty(self.data.numel(), self.data.device, self.data.dtype, GRADS_SLOT)
             pieces = self._grad.split_with_sizes([s.numel for s in self.segments.values()])
             self._slots = {s.index: piece if piece.shape == s.shape else piece.view(s.shape)
                            for s, piece in zip(self.segments.values(), pieces, strict=True)}
@@ -274,8 +286,7 @@ class FlatGroup:
         source, slots = self._grad, self._slots
         if own_buffer:
             if self._step_grad is None:
-                self._step_grad = torch.empty(self._grad.shape, dtype=self._grad.dtype, device=self._grad.device,
-                                              pin_memory=self._pin)
+                self._step_grad = self._empty(self._grad.numel(), self._grad.device, self._grad.dtype, STEP_GRADS_SLOT)
             source = self._step_grad.copy_(self._grad)
             pieces = source.split_with_sizes([s.numel for s in self.segments.values()])
             slots = {s.index: piece.view(s.shape) for s, piece in zip(self.segments.values(), pieces, strict=True)}
@@ -354,6 +365,15 @@ class FlatGroup:
             else:
                 joined[name] = first
         return joined
+
+    def place_state(self, optim_state: dict[torch.Tensor, Any]) -> None:
+        """Move :attr:`flat`'s entry of ``optim_state`` (the wrapped optimizer's) into host
+        buffers placed for the host step, when it is in host memory and not there yet (Note
+        [host buffer placement] in :mod:`shardopt.host_memory`). A few checks when placed."""
+        if self.flat is not None and self.layout is Layout.FLAT and self.data.device.type == "cpu":
+            entry = optim_state.get(self.flat)
+            if entry:
+                place_state(entry, self.flat, STATE_SLOT)
 
     def to_views(self, optim_state: dict[torch.Tensor, Any]) -> None:
         """Switch to ``VIEWS``: the flat tensor's entry of ``optim_state`` (the wrapped

@@ -275,12 +275,16 @@ class LocalShard:
 
     def run_step(self, step: Callable[[], Any]) -> Any:
         """Run ``step`` (the wrapped optimizer's) over what :meth:`prepare_step` handed it, then take
-        the gradients back from what it stepped; returns what ``step`` returned."""
+        the gradients back from what it stepped, and place new host state for the next (Note [host
+        buffer placement] in :mod:`shardopt.host_memory`); returns what ``step`` returned."""
         try:
-            return step()
+            out = step()
         finally:
             for flat_group in self.masters.groups:
                 flat_group.end_step()
+        for flat_group in self.masters.groups:
+            flat_group.place_state(self._live().state)
+        return out
 
     def launch(self, params: Sequence[torch.Tensor], delay: DelayedUpdate, step: Callable[[], Any]) -> None:
         """Hand ``step`` a copy of the gradients, release the masters' as a step does, and run it
