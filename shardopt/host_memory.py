@@ -30,7 +30,9 @@ bit for bit the unplaced one.
 
 The tensor's storage is exactly its bytes (the mapping's slack is address space that is never
 touched, so never resident) and lives as long as any view of it; it is created through an
-aten view, so dispatch modes (``shardopt rehearse``'s storage tracker) count it as torch's own.
+aten view, so dispatch modes (``shardopt rehearse``'s storage tracker) count it as torch's own,
+and :func:`placed_bytes` counts it for :func:`shardopt.memory.heap_bytes`, as malloc counts
+torch's own allocations.
 Pinned (page-locked) buffers for a GPU keep torch's pinned allocator: :func:`host_empty` is
 for pageable memory only. Without ``mmap.MADV_HUGEPAGE`` (not Linux) the offsets still
 apply; with the kernel's THP mode ``never`` the advice is a no-op.
@@ -45,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HUGE_PAGE", "MIN_PLACED_BYTES", "SLOT_OFFSETS", "host_empty", "is_placed", "place_state"]
+__all__ = ["HUGE_PAGE", "MIN_PLACED_BYTES", "SLOT_OFFSETS", "host_empty", "is_placed", "place_state", "placed_bytes"]
 
 HUGE_PAGE = 2 << 20
 """The transparent huge page size of x86-64 and most aarch64 kernels (bytes)."""
@@ -54,11 +56,17 @@ MIN_PLACED_BYTES = 1 << 20
 SLOT_OFFSETS = (0, 1024, 2048, 3072, 512, 1536, 2560, 3584)
 """Each slot's offset within a 4 KiB page (bytes): slot ``k`` starts at ``SLOT_OFFSETS[k % 8]``."""
 
-_placed: set[int] = set()  # the addresses of live placed buffers (their first element)
+_placed: dict[int, int] = {}  # the live placed buffers: the address of the first element -> bytes
 
 
 def _release(address: int) -> None:
-    _placed.discard(address)
+    _placed.pop(address, None)
+
+
+def placed_bytes() -> int:
+    """The bytes of every live :func:`host_empty` buffer of this process: memory that glibc's
+    ``mallinfo2`` does not see (:func:`shardopt.memory.heap_bytes` adds it)."""
+    return sum(_placed.values())
 
 
 def host_empty(numel: int, dtype: torch.dtype, slot: int) -> torch.Tensor:
@@ -88,7 +96,7 @@ def host_empty(numel: int, dtype: torch.dtype, slot: int) -> torch.Tensor:
     # frombuffer keeps the mapping alive as long as the storage; the view passes through the dispatcher
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=head + offset).view(numel)
     address = tensor.data_ptr()
-    _placed.add(address)
+    _placed[address] = nbytes
     weakref.finalize(tensor.untyped_storage(), _release, address)
     return tensor
 

@@ -14,7 +14,9 @@ reads what the process really did, for use in any training loop:
   The delta around a training step is the bytes that step sent (nothing else may print or
   write inside the window).
 - :func:`heap_bytes` calls glibc's ``mallinfo2()`` and returns ``uordblks + hblkhd``: bytes
-  in use in the malloc arenas plus those in mmap'ed chunks, which is where CPU tensors live.
+  in use in the malloc arenas plus those in mmap'ed chunks, which is where CPU tensors live,
+  plus the host buffers shardopt maps itself (Note [host buffer placement] in
+  :mod:`shardopt.host_memory`).
 - On CUDA, :func:`device_memory` reads ``torch.cuda.memory_allocated`` and its peak.
 
 :class:`MemoryRecorder` puts these together: take a baseline before the model is built,
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardopt.host_memory import placed_bytes
 from shardopt.partition import cut_quantum, partition_by_size, plan_split
 
 __all__ = [
@@ -423,12 +426,13 @@ def heap_bytes() -> int | None:
 
     Returns:
         ``uordblks + hblkhd`` from glibc's ``mallinfo2()`` (arena bytes in use plus mmap'ed
-        chunks), or ``None`` off glibc (see :func:`capabilities`).
+        chunks) plus :func:`shardopt.host_memory.placed_bytes` (buffers mapped outside malloc),
+        or ``None`` off glibc (see :func:`capabilities`).
     """
     if _MALLINFO2 is None:
         return None
     info = _MALLINFO2()  # type: ignore[operator]
-    return int(info.uordblks + info.hblkhd)
+    return int(info.uordblks + info.hblkhd) + placed_bytes()
 
 
 def bytes_sent() -> int | None:

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 import shardopt.host_memory as host_memory
+from shardopt import memory
 from shardopt.app.storage_trace import StorageTracker
-from shardopt.host_memory import SLOT_OFFSETS, host_empty, is_placed, place_state
+from shardopt.host_memory import SLOT_OFFSETS, host_empty, is_placed, place_state, placed_bytes
 from shardopt.optim import OSS
 from shardopt.testing import run_ranks
 
@@ -140,6 +141,19 @@ def test_a_dispatch_mode_counts_a_placed_buffer_as_torch_allocations() -> None:
         del kept
         gc.collect()
         assert tracker.live_bytes == before
+
+
+def test_heap_readings_count_placed_buffers_as_torchs_own() -> None:
+    """The bench's per-rank host memory (heap_bytes) must see a placed buffer as it sees torch.empty's."""
+    if memory.heap_bytes() is None:
+        pytest.skip("heap readings need glibc's mallinfo2")
+    before = memory.heap_bytes()
+    kept = host_empty(BIG, F32, 1)
+    slack = 64 << 10  # Python's own small allocations between the readings (the finalizer, the tensor object)
+    assert BIG * 4 <= memory.heap_bytes() - before < BIG * 4 + slack and placed_bytes() >= BIG * 4
+    del kept
+    gc.collect()
+    assert abs(memory.heap_bytes() - before) < slack
 
 
 def _model() -> nn.Module:
