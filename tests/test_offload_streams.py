@@ -253,10 +253,10 @@ def _train(rank: int, config: Config, device: SimDevice | None) -> dict[str, Any
         for step in range(STEPS):
             if mode != "carry" or step % 2 == 0:  # carry: gradients summed across steps
                 opt.zero_grad(set_to_none=step % 2 == 0)
-            micro = {"accumulate": 2, "drop": 2, "no_sync": 2, "three": 3}.get(mode, 1)
+            micro = {"accumulate": 2, "drop": 3, "no_sync": 2, "three": 3}.get(mode, 1)
             for k in range(micro):
-                if mode == "drop" and k == 1:
-                    opt.zero_grad()  # the first micro-batch's gradients are discarded
+                if mode == "drop" and k == 2:
+                    opt.zero_grad()  # the first two micro-batches' gradients (one staged) are discarded
                 loss = loss_of(wrapped, rank, 10 * step + k, dtype)
                 with wrapped.no_sync() if mode == "no_sync" and k == 0 else contextlib.nullcontext():
                     (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -26,10 +26,12 @@ do (Note [reductions on a side stream] in :mod:`shardopt.nn.data_parallel.stream
    backward passes per step without ``no_sync``, or a mirror's gradient carried across a
    step): the gradient is downloaded as in (1) into the master's segment of a second pinned
    buffer (the staging buffer, allocated at the first accumulation and kept, 4 bytes per owned
-   element), and the host adds it in once it landed (3); a gradient dropped in between
-   (``zero_grad``, a skipped scaler step) is not added. A master whose staged gradient is
-   still waiting (a third backward pass before a step) makes the host land first: one more
-   host wait per backward pass from the third on.
+   element), and the host adds it in once it landed (3), into the tensor that was the
+   master's gradient when it arrived, as the blocking path added at once; a download into the
+   master's segment in between (its gradient was dropped, then a new one arrived) overwrites
+   what the addition would have changed, so the addition is forgotten. A master whose staged
+   gradient is still waiting (a third backward pass before a step) makes the host land first:
+   one more host wait per backward pass from the third on.
 3. land: before the host reads the gradient buffer or writes a master, it waits for the last
    event recorded on ``C`` (``Event.synchronize``), then drops the kept gradients and adds
    the staged ones. One wait covers every copy queued before it, both directions, since ``C``
@@ -106,16 +108,12 @@ class _Download:
 
 @dataclass
 class _StagedAdd:
-    """A gradient downloaded into ``staged``, added into ``target`` when it lands if ``target``
-    is still ``master``'s gradient (Note [offload copies on a side stream], 2)."""
+    """A gradient downloaded into ``staged``, ``master``'s segment of the staging buffer, to be
+    added into ``target`` when it lands (Note [offload copies on a side stream], 2)."""
 
     master: torch.Tensor
     target: torch.Tensor
     staged: torch.Tensor
-
-    def live(self) -> bool:
-        """Whether the gradient it adds to is still the master's (not dropped or replaced since)."""
-        return self.master.grad is self.target
 
 
 class Uploads:
@@ -201,17 +199,17 @@ class OffloadCopies:
 
     def download(self, master: torch.Tensor, slot: torch.Tensor, grad: torch.Tensor) -> None:
         """Copy ``grad`` (on the device) into ``slot``, the host segment that is now ``master``'s
-        gradient (1); a staged gradient still waiting for ``master`` was dropped before and is
-        forgotten."""
-        self._staged = [a for a in self._staged if a.master is not master]
+        gradient (1). The copy overwrites the segment, so a staged addition into it that has not
+        landed (made before the gradient was dropped) is forgotten: done in order, it would have
+        been overwritten."""
+        self._staged = [a for a in self._staged if a.target is not slot]
         self._issue(slot, grad)
 
     def download_to_add(self, master: torch.Tensor, grad: torch.Tensor, staged: torch.Tensor) -> None:
         """Copy ``grad`` into ``staged`` (``master``'s segment of the staging buffer) and add it
         into ``master.grad`` when it lands (2); lands first if ``master`` has one waiting."""
-        if any(a.master is master and a.live() for a in self._staged):
-            self.land()  # a third backward pass before a step: Note [offload copies on a side stream], 2
-        self._staged = [a for a in self._staged if a.master is not master]
+        if any(a.master is master for a in self._staged):
+            self.land()  # its staging segment is taken (a third backward pass): Note [offload copies on a side stream]
         assert master.grad is not None
         self._issue(staged, grad)
         self._staged.append(_StagedAdd(master, master.grad, staged))
@@ -245,8 +243,7 @@ class OffloadCopies:
         self._kept_bytes = 0
         staged, self._staged = self._staged, []
         for add in staged:
-            if add.live():
-                add.target.add_(add.staged)
+            add.target.add_(add.staged)
 
     @torch.no_grad()
     def upload(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Uploads:
