@@ -262,14 +262,18 @@ class FlatGroup:
             else:
                 copies.download(master, slot, grad)
         elif copies is not None and copies.overlaps(grad.device) and master.grad.device == self.data.device:
-            copies.download_to_add(master, grad, self._staging_slot(index))  # added on the host once landed
+            copies.download_to_add(master, grad, self._staging_slot(index, grad))  # added on the host once landed
         elif master.grad is slot:
             slot.add_(grad.to(slot.device))
         else:  # a gradient put there from outside: it moves into the buffer at the step (take_grads)
             master.grad.add_(grad.to(master.grad.device))
 
-    def _staging_slot(self, index: int) -> torch.Tensor:
-        """``params[index]``'s segment of the staging buffer (allocated at the first use, kept)."""
+    def _staging_slot(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """Where ``grad`` for ``params[index]`` lands before it is added: the master's segment of the
+        staging buffer (allocated at the first use, kept), or, for a gradient in another dtype than
+        the masters', a tensor of its own, so that the addition rounds once, as the blocking one."""
+        if grad.dtype != self.data.dtype:
+            return torch.empty(grad.shape, dtype=grad.dtype, device=self.data.device, pin_memory=self._pin)
         if self._staging is None:
             self._staging = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.data.device,
                                         pin_memory=self._pin)
