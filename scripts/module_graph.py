@@ -52,6 +52,8 @@ LEVELS: dict[str, int] = {
     "shardopt.elastic": 1,
     # where each rank is in its collectives (the flight recorder), and the waits that read it
     "shardopt.flight": 1,
+    # stream operations behind one interface (a CUDA side stream, or host order), for the optimizers and the wrappers
+    "shardopt.streams": 1,
     "shardopt.waiting": 2,
     # the one module of collectives, and the test launcher
     "shardopt.comm": 3, "shardopt.testing": 3,

@@ -115,6 +115,8 @@ def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict[str, torch.Ten
     inf = norm_type == float("inf")
     named = list(_named_unique(module))
     optimizers = _optimizers_by_param(named)
+    for opt in {id(o): o for o in optimizers.values()}.values():
+        opt.wait_for_grads()  # offloaded gradients land asynchronously (Note [offload copies on a side stream])
     parts: list[torch.Tensor | None] = []
     groups: list[Any] = []  # the process group each slot is reduced over; _LOCAL for none
     for _, p in named:

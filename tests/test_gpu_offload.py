@@ -4,6 +4,13 @@ without offload trains with it, and offloaded training stays within the arithmet
 distance of the same run without offload (the host steps with CPU kernels, the device with
 CUDA ones: not bit for bit). NCCL at world size 1, the one layout one GPU gives.
 
+The copies on a side stream (Note [offload copies on a side stream]): training with them equals
+training with blocking copies bit for bit (AdamW), and training without offload where the step's
+arithmetic rounds alike on both kernels (SGD at a power-of-two rate), at NCCL world size 1 and
+two gloo ranks sharing the GPU (the post-step gather waits per chunk there); and under
+``torch.cuda.set_sync_debug_mode("error")`` backward and step make no host sync but the one
+documented event wait per step (blocking copies, the control, are refused).
+
 Not run on this project's CPU machines: written without a GPU, to be checked on the first
 session that has one.
 """
@@ -14,9 +21,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+import shardopt.optim.offload_copies as offload_copies
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS
+from shardopt.streams import CudaStreams, HostStreams
 from shardopt.testing import run_ranks
 from tests.helpers.gpt import gpt, lm_loss, tokens
 
@@ -94,3 +104,140 @@ def _fits_only_with_offload(rank: int, world_size: int) -> dict[str, Any]:
 def test_a_model_that_does_not_fit_without_offload_trains_with_it() -> None:
     r = run_ranks(_fits_only_with_offload, 1, backend="nccl", timeout_s=300)[0]
     assert r["without"] == "out of memory" and r["with"] == "trained", r
+
+
+# ---------------------------------------------------------------------- copies on a side stream
+# Note [offload copies on a side stream] in shardopt/optim/offload_copies.py. Written on a CPU
+# machine; its protocol is checked there against a simulated device (tests/test_offload_streams.py).
+
+F32, BF16 = torch.float32, torch.bfloat16
+COPY_MODES = ("plain", "accumulate", "three", "carry", "delayed")
+SGD_EXACT: dict[str, Any] = {"lr": 2.0**-6}
+"""SGD without momentum or decay at a power-of-two rate: p - lr * g rounds once, the same on CPU and
+CUDA kernels (an exact product, fused or not), so offload on and off agree bit for bit."""
+
+
+def _mlp(dev: torch.device, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
+                         nn.Linear(48, 4)).to(dev, dtype)
+
+
+def _copy_run(rank: int, dev: torch.device, dtype: torch.dtype, mode: str, offload: str | None, copies: str,
+              optim: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> list[list[torch.Tensor]]:
+    """Five ZeRO-2 steps; ``copies="blocking"`` makes every offload copy synchronous (the path
+    before the copy stream). Returns the parameters (on the CPU) after each step."""
+    saved = offload_copies.copy_streams_for
+    if copies == "blocking":
+        offload_copies.copy_streams_for = lambda device: HostStreams()  # type: ignore[assignment]
+    try:
+        model = _mlp(dev, dtype)
+        opt = OSS(model.parameters(), optim=optim, offload=offload, master_dtype=F32 if dtype != F32 else None,
+                  delay_update_after=1 if mode == "delayed" and offload else None, **kwargs)
+        sdp = ShardedDataParallel(model, opt)
+        out = []
+        for step in range(STEPS):
+            if mode != "carry" or step % 2 == 0:
+                opt.zero_grad(set_to_none=step % 2 == 0)
+            for k in range({"accumulate": 2, "three": 3}.get(mode, 1)):
+                x = _batch(rank, 10 * step + k).to(dev, dtype)
+                sdp(x).float().pow(2).mean().backward()
+            opt.step()
+            out.append([p.detach().cpu() for p in model.parameters()])
+        opt.finish_update()
+        out.append([p.detach().cpu() for p in model.parameters()])
+        sdp.close()
+        return out
+    finally:
+        offload_copies.copy_streams_for = saved  # type: ignore[assignment]
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    """Different inputs per (rank, step), the same on every run."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(6, 8, generator=gen)
+
+
+def _equal_runs(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return all(torch.equal(x, y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
+
+
+def _copies_exact(rank: int, world_size: int, backend: str) -> dict[str, bool]:
+    dev = torch.device("cuda", rank if backend == "nccl" else 0)  # gloo ranks share GPU 0
+    out: dict[str, bool] = {}
+    for dtype in (F32, BF16):
+        for mode in COPY_MODES:
+            side = _copy_run(rank, dev, dtype, mode, "cpu", "side", torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+            blocking = _copy_run(rank, dev, dtype, mode, "cpu", "blocking", torch.optim.AdamW,
+                                 {"lr": 1e-2, "weight_decay": 0.1})
+            out[f"{dtype}/{mode}/side=blocking"] = _equal_runs(side, blocking)
+            if mode != "delayed":  # the delay changes the results by design
+                side = _copy_run(rank, dev, dtype, mode, "cpu", "side", torch.optim.SGD, SGD_EXACT)
+                plain = _copy_run(rank, dev, dtype, mode, None, "side", torch.optim.SGD, SGD_EXACT)
+                out[f"{dtype}/{mode}/side=offload-off"] = _equal_runs(side, plain)
+    return out
+
+
+@pytest.mark.parametrize(("world_size", "backend"), [(1, "nccl"), (2, "gloo")])
+def test_offload_copies_on_a_side_stream_equal_blocking_copies_and_offload_off_bit_for_bit(
+        world_size: int, backend: str) -> None:
+    for rank, out in enumerate(run_ranks(_copies_exact, world_size, backend, backend=backend, timeout_s=300)):
+        assert out and all(out.values()), (rank, {k: v for k, v in out.items() if not v})
+
+
+def _host_syncs(rank: int, world_size: int) -> dict[str, Any]:
+    """Backward and step under ``torch.cuda.set_sync_debug_mode("error")`` after two warm-up
+    steps (the first step compares each master with its parameter once: Note [masters follow
+    outside writes]), counting the copy stream's host waits; then the blocking copies as the
+    control that the mode sees a synchronous copy."""
+    dev = torch.device("cuda", 0)
+    waits: list[int] = []
+    original = CudaStreams.host_wait
+
+    def counted(self: CudaStreams, event: Any) -> None:
+        waits.append(1)
+        original(self, event)
+
+    CudaStreams.host_wait = counted  # type: ignore[method-assign]
+    saved = offload_copies.copy_streams_for
+    out: dict[str, Any] = {}
+    try:
+        for copies in ("side", "blocking"):
+            if copies == "blocking":
+                offload_copies.copy_streams_for = lambda device: HostStreams()  # type: ignore[assignment]
+            for micro in (1, 2):  # 2: the second backward's gradients go through the staging buffer
+                model = _mlp(dev, BF16)
+                opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, master_dtype=F32, offload="cpu")
+                sdp = ShardedDataParallel(model, opt)
+                batches = [_batch(0, s).to(dev, BF16) for s in range(4 * micro)]
+                per_step, error = [], None
+                for step in range(4):
+                    opt.zero_grad()
+                    before = len(waits)
+                    try:
+                        if step >= 2:
+                            torch.cuda.set_sync_debug_mode("error")
+                        for k in range(micro):
+                            sdp(batches[micro * step + k]).float().pow(2).mean().backward()
+                        opt.step()
+                    except RuntimeError as exc:
+                        error = str(exc)
+                        break
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                    per_step.append(len(waits) - before)
+                out[f"{copies}/{micro}"] = {"host_waits": per_step, "error": error}
+                torch.cuda.synchronize()
+    finally:
+        CudaStreams.host_wait = original  # type: ignore[method-assign]
+        offload_copies.copy_streams_for = saved  # type: ignore[assignment]
+    return out
+
+
+def test_an_offloaded_step_waits_on_the_host_once_and_syncs_nowhere_else() -> None:
+    out = run_ranks(_host_syncs, 1, backend="nccl", timeout_s=300)[0]
+    for micro in (1, 2):
+        side = out[f"side/{micro}"]
+        assert side["error"] is None and side["host_waits"] == [1, 1, 1, 1], (micro, side)
+        # the control: a synchronous copy to the host is what the debug mode refuses
+        assert out[f"blocking/{micro}"]["error"] is not None, out

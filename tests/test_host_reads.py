@@ -149,8 +149,8 @@ def test_hybrid_zero2_backward_and_step_read_nothing_from_the_device_when_every_
 
 # The per-step modules scanned for host reads; a documented one carries "host-read:" and a reason.
 SCANNED = ("shardopt/nn/data_parallel", "shardopt/optim", "shardopt/comm.py", "shardopt/clipping.py",
-           "shardopt/placeholders.py")
-READ_METHODS = {"item", "tolist", "nonzero"}
+           "shardopt/placeholders.py", "shardopt/streams.py")
+READ_METHODS = {"item", "tolist", "nonzero", "synchronize"}  # synchronize: an event's or a stream's host wait
 
 
 def _host_reads_in(path: Path) -> list[str]:
@@ -188,6 +188,6 @@ def test_per_step_modules_have_no_undocumented_host_read() -> None:
 def test_the_scan_finds_each_pattern(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("t[3] = 1\nx = t.item()\ny = t.tolist()  # host-read: documented\nz = torch.equal(a, b)\n"
-                      "d['key'] = 0\n")
+                      "d['key'] = 0\nevent.synchronize()\n")
     found = _host_reads_in(sample)
-    assert [f.split(": ")[1] for f in found] == ["t[i] = number", ".item()", "torch.equal"], found
+    assert [f.split(": ")[1] for f in found] == ["t[i] = number", ".item()", "torch.equal", ".synchronize()"], found

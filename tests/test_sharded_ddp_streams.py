@@ -16,8 +16,8 @@ import shardopt.nn.data_parallel.reduction_queue as reduction_queue
 import shardopt.nn.data_parallel.sharded_ddp as sharded_ddp
 from shardopt.nn import ShardedDataParallel
 from shardopt.nn.data_parallel.grad_buckets import GradBucket
-from shardopt.nn.data_parallel.streams import StreamOps
 from shardopt.optim import OSS
+from shardopt.streams import StreamOps
 from shardopt.testing import run_ranks
 from tests.helpers.data import max_abs_diff, rank_batch, seeded_mlp
 

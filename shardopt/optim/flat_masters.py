@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from shardopt.host_memory import host_empty, place_state
+from shardopt.optim.offload_copies import OffloadCopies
 from shardopt.optim.state_transport import compact
 from shardopt.partition import CUT_ALIGN_ELEMENTS
 
@@ -147,11 +148,13 @@ class FlatGroup:
             :mod:`shardopt.optim.masters`): pinned when ``pin`` (the parameters are on a
             GPU), and the gradient buffer is kept between steps instead of being freed.
         pin: allocate the buffers in pinned (page-locked) host memory.
+        copies: with ``host``, the copies from the device that :meth:`add_grad` goes through
+            (Note [offload copies on a side stream] in :mod:`shardopt.optim.offload_copies`).
     """
 
     def __init__(self, number: int, device: torch.device, dtype: torch.dtype,
                  entries: Sequence[tuple[int, torch.Size]], flatten: bool, host: bool = False,
-                 pin: bool = False) -> None:
+                 pin: bool = False, copies: OffloadCopies | None = None) -> None:
         self.number = number
         segments, flat_numel = plan_segments(entries, flatten)
         self.segments: dict[int, Segment] = {s.index: s for s in segments}
@@ -159,6 +162,7 @@ class FlatGroup:
         self.host = host
         """Whether the buffers are offloaded host memory whose gradient buffer outlives a step."""
         self._pin = pin
+        self._copies = copies
         self.data = self._empty(sum(s.numel for s in segments), device, dtype, MASTERS_SLOT)
         """The buffer holding every master of the group."""
         self.masters: dict[int, torch.Tensor] = {
@@ -175,6 +179,8 @@ class FlatGroup:
         self._grad: torch.Tensor | None = None
         self._slots: dict[int, torch.Tensor] = {}
         self._step_grad: torch.Tensor | None = None  # the step's own copy of _grad (Note [delayed update])
+        self._staging: torch.Tensor | None = None  # accumulations' landing place (Note [offload copies on a side stream])
+        self._staged_slots: dict[int, torch.Tensor] = {}
 
     def _empty(self, numel: int, device: torch.device, dtype: torch.dtype, slot: int) -> torch.Tensor:
         """A buffer of the group: in pageable host memory placed for the host step (Note [host
@@ -205,6 +211,14 @@ class FlatGroup:
     def step_grad_buffer(self) -> torch.Tensor | None:
         """The copy of :attr:`grad_buffer` a delayed step reads, once one ran (Note [delayed update])."""
         return self._step_grad
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The buffers of an offloaded group that exist now: the masters, their gradients, the
+        delayed step's copy of those and the staging buffer of accumulations (Note [offload
+        copies on a side stream] in :mod:`shardopt.optim.offload_copies`); ``[]`` on the device."""
+        if not self.host:
+            return []
+        return [t for t in (self.data, self._grad, self._step_grad, self._staging) if t is not None]
 
     def stepped_flat(self, index: int) -> bool:
         """Whether the optimizer steps ``params[index]``'s master as part of :attr:`flat` now."""
@@ -246,14 +260,39 @@ class FlatGroup:
     def add_grad(self, index: int, grad: torch.Tensor) -> None:
         """Add ``grad`` (of the master's shape, any dtype and device) to ``params[index]``'s
         master gradient in its segment of the buffer: one copy (cast, and to the host for an
-        offloaded group) where the master has none yet. Call under ``torch.no_grad()``."""
+        offloaded group) where the master has none yet. For an offloaded group of CUDA
+        parameters the copy to the host is asynchronous, and so is an addition to a gradient
+        already there (through the staging buffer): the host reads neither before the copies
+        land (Note [offload copies on a side stream] in :mod:`shardopt.optim.offload_copies`).
+        Call under ``torch.no_grad()``."""
         master, slot = self.masters[index], self._slots_now()[index]
+        copies = self._copies
         if master.grad is None:
-            master.grad = slot.copy_(grad)
+            master.grad = slot
+            if copies is None:
+                slot.copy_(grad)
+            else:
+                copies.download(master, slot, grad)
+        elif copies is not None and copies.overlaps(grad.device) and master.grad.device == self.data.device:
+            copies.download_to_add(master, grad, self._staging_slot(index, grad))  # added on the host once landed
         elif master.grad is slot:
             slot.add_(grad.to(slot.device))
         else:  # a gradient put there from outside: it moves into the buffer at the step (take_grads)
             master.grad.add_(grad.to(master.grad.device))
+
+    def _staging_slot(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """Where ``grad`` for ``params[index]`` lands before it is added: the master's segment of the
+        staging buffer (allocated at the first use, kept), or, for a gradient in another dtype than
+        the masters', a tensor of its own, so that the addition rounds once, as the blocking one."""
+        if grad.dtype != self.data.dtype:
+            return torch.empty(grad.shape, dtype=grad.dtype, device=self.data.device, pin_memory=self._pin)
+        if self._staging is None:
+            self._staging = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.data.device,
+                                        pin_memory=self._pin)
+            pieces = self._staging.split_with_sizes([s.numel for s in self.segments.values()])
+            self._staged_slots = {s.index: piece.view(s.shape)
+                                  for s, piece in zip(self.segments.values(), pieces, strict=True)}
+        return self._staged_slots[index]
 
     def choose_layout(self) -> bool:
         """Keep stepping :attr:`flat` when every aligned master has a gradient (or none has);

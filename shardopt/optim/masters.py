@@ -59,8 +59,12 @@ copies each reduced gradient as it arrives, under DDP the fold copies them at th
 step ends with each master copied host to device into its parameter, and the gather runs on
 the device as before. On a GPU the buffers are pinned; the gradient buffer is kept between
 steps rather than freed (allocating and first touching 4 bytes per owned parameter was
-460-580 ms of a 50M-parameter host step on the project's CPU machine). The copies are
-blocking: overlapping them with backward and the gather on side streams is not done yet.
+460-580 ms of a 50M-parameter host step on the project's CPU machine). On a GPU
+ShardedDataParallel's copies to the host and the step's copies back run on a copy stream,
+overlapping backward and the gather, and the host waits for them once per step (Note [offload
+copies on a side stream] in :mod:`shardopt.optim.offload_copies`; written and checked on CPU
+ranks against a simulated device, not yet run on a GPU). DDP's gradients (ZeRO-1) are still
+copied blocking at the fold, and a mirror's handed back blocking after the step.
 A mirror's gradient outlives the step as its parameter's would (Note [mirrors carry
 gradients]). A mirror holds nothing its parameter does not, so it is never saved: checkpoints keep
 today's keys and load with or without offload, and a mirror restarts from its parameter at a
@@ -91,6 +95,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from shardopt.optim.flat_masters import FlatGroup
+from shardopt.optim.offload_copies import OffloadCopies, Uploads
 from shardopt.placeholders import is_placeholder, leave_placeholder, take_placeholder
 from shardopt.state_checks import MASTER_KEY
 
@@ -198,6 +203,9 @@ class MasterWeights:
         self._group_of: dict[int, FlatGroup] = {}
         self._agreed: dict[int, int | None] = {}  # param._version when it last equalled its master
         self._rows: dict[int, tuple[int, int]] = {}  # the rows a master copies, for a split parameter only
+        self.copies = OffloadCopies()
+        """The host<->device copies of offloaded masters (Note [offload copies on a side stream] in
+        :mod:`shardopt.optim.offload_copies`); unused without offload."""
 
     def _part(self, index: int, param: torch.Tensor) -> torch.Tensor:
         """What the master of ``params[index]`` copies: the parameter, or its owned rows (a view)."""
@@ -236,6 +244,10 @@ class MasterWeights:
         """The buffer holding the master of ``params[index]``, if it has one."""
         return self._group_of.get(index)
 
+    def host_buffers(self) -> list[torch.Tensor]:
+        """Every host buffer of the offloaded groups (``OSS.offloaded_buffers``); ``[]`` without offload."""
+        return [t for g in self._groups for t in g.host_buffers()]
+
     @torch.no_grad()
     def rebuild(self, params: Sequence[torch.Tensor], indices: Iterable[int],
                 carried: Mapping[int, torch.Tensor], rows: Mapping[int, tuple[int, int]] | None = None,
@@ -255,6 +267,7 @@ class MasterWeights:
                 aligned masters may be stepped as one tensor (Note [aligned segments] in
                 :mod:`shardopt.optim.flat_masters`).
         """
+        self.copies.land()  # nothing may still write the old buffers or read the masters
         self._rows = {i: r for i, r in (rows or {}).items() if i in set(indices)}
         entries: dict[tuple[int, str, torch.dtype], list[tuple[int, torch.Size]]] = {}
         pin: dict[tuple[int, str, torch.dtype], bool] = {}
@@ -265,8 +278,9 @@ class MasterWeights:
                 key = (0 if group_of is None else group_of[i], str(device), dtype)
                 entries.setdefault(key, []).append((i, self._part(i, params[i]).shape))
                 pin[key] = pin.get(key, False) or (self.offload is not None and params[i].device.type == "cuda")
-        self._groups = [FlatGroup(key[0], torch.device(key[1]), key[2], found, flatten, host=self.offload is not None,
-                                  pin=pin[key])
+        host = self.offload is not None
+        self._groups = [FlatGroup(key[0], torch.device(key[1]), key[2], found, flatten, host=host, pin=pin[key],
+                                  copies=self.copies if host else None)
                         for key, found in sorted(entries.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2])))]
         self._group_of = {i: g for g in self._groups for i in g.masters}
         self._masters = {i: self._group_of[i].masters[i] for i in sorted(self._group_of)}
@@ -288,6 +302,7 @@ class MasterWeights:
             part = self._part(i, p)
             if not torch.equal(master.to(part.device, p.dtype), part):  # host-read: only after an outside write
                 logger.info("parameter %s was written outside the optimizer; its master follows it", i)
+                self.copies.land()  # an upload may still read it (Note [offload copies on a side stream])
                 master.copy_(part)
             self._agreed[i] = p._version
 
@@ -295,7 +310,9 @@ class MasterWeights:
     def fold_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Add each parameter's ``.grad`` into its master's, in ``dtype``, and free it; every
         master's gradient ends in the gradient buffer (Note [master gradients]; Note [flat
-        masters] in :mod:`shardopt.optim.flat_masters`)."""
+        masters] in :mod:`shardopt.optim.flat_masters`). Lands the copies to the host first: every
+        reader of the gradient buffer and the step run this (Note [offload copies on a side stream])."""
+        self.copies.land()
         fresh: dict[FlatGroup, list[tuple[int, torch.Tensor]]] = {g: [] for g in self._groups}
         for i, master in self._masters.items():
             p = params[i]
@@ -317,14 +334,27 @@ class MasterWeights:
             group.take_grads(grads)
 
     @torch.no_grad()
-    def write_back(self, params: Sequence[torch.Tensor]) -> None:
-        """Round every master into its parameter (after a step)."""
+    def write_back(self, params: Sequence[torch.Tensor], order: Sequence[int] = ()) -> Uploads:
+        """Round every master into its parameter (after a step), those of ``order`` (the
+        gather's send order) first and in it.
+
+        Returns:
+            The copies in flight, for the gather to wait for (empty unless offloaded masters of
+            CUDA parameters were copied on a copy stream: Note [offload copies on a side stream]).
+        """
+        uploads = Uploads()
         if self._masters:
-            targets = [params[i] if i not in self._rows else params[i][self._rows[i][0] : self._rows[i][1]]
-                       for i in self._masters]
-            torch._foreach_copy_(targets, list(self._masters.values()))
+            position = {i: k for k, i in enumerate(order)}
+            indices = sorted(self._masters, key=lambda i: (position.get(i, len(position)), i))
+            targets = [self._part(i, params[i]) for i in indices]
+            if self.offload is None:
+                torch._foreach_copy_(targets, [self._masters[i] for i in indices])
+            else:
+                uploads = self.copies.upload([(params[i], t, self._masters[i]) for i, t in zip(indices, targets,
+                                                                                                strict=True)])
         for i in self._masters:
             self._agreed[i] = params[i]._version
+        return uploads
 
     @torch.no_grad()
     def release_grads(self, params: Sequence[torch.Tensor]) -> None:
@@ -352,7 +382,9 @@ class MasterWeights:
         """The post-step gather wrote the other owners' rows of the split parameters: their
         masters' rows are untouched, so they still agree (without this the next step would
         compare each one with its rows, a host read per split master per step; Note [masters
-        follow outside writes])."""
+        follow outside writes]). The current stream then waits for the last upload (Note
+        [offload copies on a side stream])."""
+        self.copies.join_uploads()
         for i in self._rows:
             if i in self._masters:
                 self._agreed[i] = params[i]._version
@@ -372,6 +404,7 @@ class MasterWeights:
             The indices whose master restarted from the parameter (a mirror always does, and is
             not counted: Note [offloaded masters]).
         """
+        self.copies.land()  # an upload may still read the masters
         missing = []
         for i, master in self._masters.items():
             value = None if i in self._mirrors else saved.get(i)

@@ -160,7 +160,7 @@ class OSS(Optimizer):
         self._shard: LocalShard
         if any(p.is_meta for p in self.params):
             raise ValueError("OSS got meta-device parameters: call module.to_empty(device=...) and re-initialise first")
-        self._check_same_params_on_all_ranks()
+        check_same_parameters("OSS", self.param_groups, self._checked_over)
         check_agreement("OSS", [("broadcast_fp16", broadcast_fp16), ("optim", optim.__qualname__),
                                 ("master_dtype", str(master_dtype)), ("split_large_params", str(self.split_large_params)),
                                 ("layout", self._layout.fingerprint() if self._layout else None),
@@ -215,7 +215,8 @@ class OSS(Optimizer):
     def grad_holder(self, param: torch.Tensor) -> torch.Tensor | None:
         """The tensor whose ``.grad`` the step reads for this rank's rows of a trainable ``param``: its master,
         the row view of a split parameter (Note [row views] in :mod:`shardopt.optim.owned_rows`), or ``param``
-        itself; ``None`` where this rank owns none of it or it is frozen."""
+        itself; ``None`` where this rank owns none of it or it is frozen. Under offload on a GPU that ``.grad``
+        lands asynchronously: read it after :meth:`wait_for_grads` (clipping and the step wait too)."""
         index = self._index_of.get(param)
         if index is None or not self._shard.owned.owns(index) or not param.requires_grad:
             return None
@@ -223,7 +224,8 @@ class OSS(Optimizer):
 
     def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` (this rank's rows of ``param``'s reduced gradient) to what the step reads: a master's
-        gradient in its buffer in one copy (to the host under offload), else :meth:`grad_holder`'s ``.grad``."""
+        gradient in its buffer in one copy (to the host under offload, on a copy stream on a GPU: Note [offload
+        copies on a side stream] in :mod:`shardopt.optim.offload_copies`), else :meth:`grad_holder`'s ``.grad``."""
         self._shard.add_grad(self._index_of[param], param, grad)
 
     @property
@@ -233,8 +235,11 @@ class OSS(Optimizer):
 
     def offloaded_buffers(self) -> list[torch.Tensor]:
         """The host buffers of the masters and of their kept gradients (Note [offloaded masters]); ``[]`` without."""
-        return [t for g in self._masters.groups if g.host for t in (g.data, g.grad_buffer, g.step_grad_buffer)
-                if t is not None]
+        return self._masters.host_buffers()
+
+    def wait_for_grads(self) -> None:
+        """Wait for the gradients copied to the host to land (Note [offload copies on a side stream]); else nothing."""
+        self._masters.copies.land()
 
     @property
     def master_dtype(self) -> torch.dtype | None:
@@ -254,9 +259,9 @@ class OSS(Optimizer):
     def collect_master_grads(self) -> None:
         """Fold every owned parameter's ``.grad`` into its master's fp32 ``.grad`` and free it.
 
-        The step does it itself; ``ShardedGradScaler.unscale_`` and :meth:`clip_grad_norm`
-        call it first to work on fp32 gradients (Note [master gradients] in shardopt.optim.masters). Local: no
-        collective. Without masters it does nothing.
+        The step does it itself; ``ShardedGradScaler.unscale_`` and :meth:`clip_grad_norm` call it first to work on
+        fp32 gradients (Note [master gradients] in shardopt.optim.masters), landed first (:meth:`wait_for_grads`).
+        Local: no collective. Without masters it does nothing.
         """
         self._shard.collect_grads(self.params)
 
@@ -280,7 +285,7 @@ class OSS(Optimizer):
             ValueError: the ranks froze different parameters (named), or a trainable
                 parameter is not contiguous.
         """
-        self._check_same_params_on_all_ranks()
+        check_same_parameters("OSS", self.param_groups, self._checked_over)
         self._repartition(migrate=True)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -297,7 +302,7 @@ class OSS(Optimizer):
         if self._building:
             return
         try:
-            self._check_same_params_on_all_ranks()
+            check_same_parameters("OSS", self.param_groups, self._checked_over)
             check_master_dtype(self.master_dtype, self.params)
         except ValueError:
             self.param_groups.pop()  # leave the optimizer as it was
@@ -323,10 +328,6 @@ class OSS(Optimizer):
             list(params), self._plan, self.rank, self.group, DEFAULT_GATHER_BUCKET_BYTES, self.broadcast_fp16
         )
         self._consolidated = dropped(self._consolidated, Gap.REPARTITIONED)
-
-    def _check_same_params_on_all_ranks(self) -> None:
-        """Compare a fingerprint of the parameter list across ranks; name the first mismatch."""
-        check_same_parameters("OSS", self.param_groups, self._checked_over)
 
     # ------------------------------------------------------------------ step
 
@@ -385,9 +386,8 @@ class OSS(Optimizer):
         return loss
 
     def _write_update(self, params: tuple[torch.Tensor, ...]) -> None:
-        """Round the masters into the parameters and gather every rank's."""
-        self._masters.write_back(params)
-        self._gather.gather()
+        """Round the masters into the parameters and gather every rank's (Note [offload copies on a side stream])."""
+        self._gather.gather(self._masters.write_back(params, self._gather.send_order))
         self._masters.after_gather(params)
 
     def finish_update(self) -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from shardopt import comm
+from shardopt.optim.offload_copies import Uploads
 from shardopt.partition import SplitPlan
 
 __all__ = ["DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_GATHER_BUCKET_BYTES", "ParamGather"]
@@ -54,6 +55,7 @@ class _Piece:
     of them for a whole parameter, a block's rows for a split one)."""
 
     param: torch.Tensor
+    index: int
     start: int
     stop: int
 
@@ -69,7 +71,8 @@ def _pieces(params: list[torch.Tensor], plan: SplitPlan) -> list[tuple[_Piece, i
     for block in plan.blocks:
         p, rows = params[block.param], plan.rows[block.param]
         width = p.numel() // rows if rows else 0
-        out.append((_Piece(p, block.row_start * width, block.row_stop * width), block.owner, plan.block_bytes(block)))
+        out.append((_Piece(p, block.param, block.row_start * width, block.row_stop * width), block.owner,
+                    plan.block_bytes(block)))
     return out
 
 
@@ -160,20 +163,29 @@ class ParamGather:
                 _Stream(device, dtype, tuple(tuple(ps) for ps in by_rank), tuple(starts), max(s[-1] for s in starts),
                         comm.prefers_point_to_point(group, device))
             )
+        mine = [*self._direct[rank], *(p for s in self._streams for p in s.params_by_rank[rank])]
+        self.send_order: tuple[int, ...] = tuple(dict.fromkeys(p.index for p in mine))
+        """The indices of the parameters this rank sends, in the order :meth:`gather` sends them."""
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float16 if self._fp16 and dtype == torch.float32 else dtype
 
-    def gather(self) -> None:
+    def gather(self, uploads: Uploads | None = None) -> None:
         """Run the gather; on return every rank holds every owner's current values.
 
         Call on every rank of the group. Direct transfers are posted first, then stream
         chunks are issued in stream order, at most two in flight, and waited in the order
         they were issued. A group of one returns at once.
+
+        Args:
+            uploads: copies into this rank's parameters still in flight: the current stream
+                waits (on the device) for those of each chunk before it is packed or sent (Note
+                [offload copies on a side stream] in :mod:`shardopt.optim.offload_copies`).
         """
         if self._num_ranks == 1:
             return
-        direct = self._post_direct()
+        uploads = uploads or Uploads()
+        direct = self._post_direct(uploads)
         in_flight: deque[_InFlightChunk] = deque()
         for stream in self._streams:
             wire = self._wire_dtype(stream.dtype)
@@ -181,7 +193,7 @@ class ParamGather:
             chunk = max(1, self._bucket_bytes // (self._num_ranks * element_bytes))
             chunk = min(chunk, stream.longest)
             for begin in range(0, stream.longest, chunk):
-                in_flight.append(self._issue(stream, wire, begin, min(chunk, stream.longest - begin)))
+                in_flight.append(self._issue(stream, wire, begin, min(chunk, stream.longest - begin), uploads))
                 if len(in_flight) >= _MAX_CHUNKS_IN_FLIGHT:
                     self._finish(in_flight.popleft())
         while in_flight:
@@ -193,23 +205,28 @@ class ParamGather:
                     for piece in pieces:
                         torch.autograd.graph.increment_version(piece.param)
 
-    def _post_direct(self) -> comm.PendingWork | None:
-        """Start the direct transfers (Note [direct parameter transfers]); ``None`` if none."""
+    def _post_direct(self, uploads: Uploads) -> comm.PendingWork | None:
+        """Start the direct transfers (Note [direct parameter transfers]) once ``uploads`` into
+        this rank's are done; ``None`` if none."""
         if not any(self._direct):
             return None
+        uploads.wait_for(p.param for p in self._direct[self._rank])
         others = comm.peers(self._rank, self._num_ranks)
         sends = [(p.flat(), peer) for peer in others for p in self._direct[self._rank]]
         recvs = [(p.flat(), owner) for owner in others for p in self._direct[owner]]
         return comm.exchange(sends, recvs, self._group, label="shardopt::oss::param_gather")
 
-    def _issue(self, stream: _Stream, wire: torch.dtype, begin: int, length: int) -> _InFlightChunk:
-        """Pack this rank's part of a chunk and start sending it to every other rank.
+    def _issue(self, stream: _Stream, wire: torch.dtype, begin: int, length: int, uploads: Uploads) -> _InFlightChunk:
+        """Pack this rank's part of a chunk, once ``uploads`` into it are done, and start sending
+        it to every other rank.
 
         All-gathered, every rank's part is ``length`` elements (padded). Point to point, each
         rank sends only what its stream has in the window, so nothing is padded.
         """
         label = "shardopt::oss::param_gather"
         me, n = self._rank, self._num_ranks
+        if uploads:
+            uploads.wait_for(piece.param for piece, _, _, _ in self._overlaps(stream, me, begin, length))
         if stream.point_to_point:
             sizes = [max(0, min(length, stream.starts_by_rank[r][-1] - begin)) for r in range(n)]
             pieces = [torch.empty(size, dtype=wire, device=stream.device) for size in sizes]

@@ -24,7 +24,7 @@ from torch import nn
 from shardopt import comm
 from shardopt.nn.data_parallel.grad_buckets import BucketSpec, GradBucket, Reduced
 from shardopt.nn.data_parallel.replicas import DeferredSums, ReplicaReduction, Replicas
-from shardopt.nn.data_parallel.streams import HostStreams, StreamOps
+from shardopt.streams import HostStreams, StreamOps
 
 __all__ = ["MAX_BYTES_IN_FLIGHT", "PassThroughQueue", "Receiver", "ReductionQueue"]
 

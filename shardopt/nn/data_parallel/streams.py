@@ -1,8 +1,9 @@
 """Where ZeRO-2's reductions run on a GPU: a side stream, joined once per backward.
 
-ShardedDataParallel picks the stream operations once per plan (:func:`streams_for`) and hands
-them to its :class:`~shardopt.nn.data_parallel.reduction_queue.ReductionQueue`, which routes
-every stream operation through them and nothing else. On the CPU, and on gloo (whose
+ShardedDataParallel picks the stream operations (:class:`~shardopt.streams.StreamOps`) once per
+plan (:func:`streams_for`) and hands them to its
+:class:`~shardopt.nn.data_parallel.reduction_queue.ReductionQueue`, which routes every stream
+operation through them and nothing else. On the CPU, and on gloo (whose
 collectives are host-synchronous), they do nothing. Tests drive the queue with a recorder in
 their place to check the order of launches, waits and frees without a GPU.
 
@@ -32,79 +33,19 @@ gradient during backward sees it before the join, as with FSDP2.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
 import torch
 
 from shardopt import comm
+from shardopt.streams import CudaStreams, HostStreams, StreamOps
 
-__all__ = ["CudaStreams", "HostStreams", "StreamOps", "streams_for"]
-
-
-class StreamOps:
-    """The stream operations the reduction queue uses; the base does nothing (host order).
-
-    ``side`` is the stream reductions run on, ``None`` where there is none (then every
-    operation is a no-op and pieces are freed as soon as a bucket is summed).
-    """
-
-    side: Any = None
-
-    def current(self) -> Any:
-        """The stream current in the caller (autograd's compute stream in a hook)."""
-        return None
-
-    def wait_stream(self, waiter: Any, waitee: Any) -> None:
-        """Make ``waiter`` wait for all work queued on ``waitee`` so far."""
-
-    def record_event(self, stream: Any) -> Any:
-        """An event marking the work queued on ``stream`` so far."""
-        return None
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        """Make ``stream`` wait for ``event``."""
-
-    @contextlib.contextmanager
-    def use(self, stream: Any) -> Iterator[None]:
-        """Make ``stream`` current inside the block."""
-        yield
-
-
-class HostStreams(StreamOps):
-    """CPU tensors, or gloo: collectives complete on the host, so there is nothing to order."""
-
-
-class CudaStreams(StreamOps):
-    """A high-priority side stream on ``device`` (Note [reductions on a side stream])."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self.side = torch.cuda.Stream(device=device, priority=-1)
-
-    def current(self) -> Any:
-        return torch.cuda.current_stream(self._device)
-
-    def wait_stream(self, waiter: Any, waitee: Any) -> None:
-        waiter.wait_stream(waitee)
-
-    def record_event(self, stream: Any) -> Any:
-        return stream.record_event()
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    @contextlib.contextmanager
-    def use(self, stream: Any) -> Iterator[None]:
-        with torch.cuda.stream(stream):
-            yield
+__all__ = ["streams_for"]
 
 
 def streams_for(device: torch.device, group: comm.ProcessGroup | None) -> StreamOps:
-    """The stream operations for reducing gradients of ``device`` over ``group``: a side
-    stream for CUDA tensors on a collective backend (NCCL) with more than one rank, else none.
+    """The stream operations for reducing gradients of ``device`` over ``group``: a
+    high-priority side stream for CUDA tensors on a collective backend (NCCL) with more than
+    one rank, else none.
     """
     if device.type == "cuda" and comm.group_size(group) > 1 and not comm.prefers_point_to_point(group, device):
-        return CudaStreams(device)
+        return CudaStreams(device, priority=-1)
     return HostStreams()
