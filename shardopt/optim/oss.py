@@ -230,7 +230,7 @@ class OSS(Optimizer):
         return None if self._masters.offload is None else self._masters.offload.type
 
     def offloaded_buffers(self) -> list[torch.Tensor]:
-        """The host buffers of the masters and of their kept gradients (Note [offloaded masters]); ``[]`` without."""
+        """The masters' host buffers, their kept gradients' and a delayed step's copy of those; ``[]`` without offload."""
         return [t for g in self._masters.groups if g.host for t in (g.data, g.grad_buffer, g.step_grad_buffer)
                 if t is not None]
 
