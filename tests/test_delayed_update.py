@@ -36,6 +36,7 @@ from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.state_checks import meta_crc
 from shardopt.testing import RankFailure, run_ranks
 from tests.helpers.clip import norms_within
+from tests.helpers.hybrid import group_then_replicas
 from tests.helpers.masters import backward_micro_steps, loss_of, sdp_reduce
 from tests.helpers.oss import state_entries_equal
 
@@ -56,6 +57,10 @@ ACCUMULATING = ("accumulate", "no_sync", "overlap")
 CLIPPING = ("clip", "overlap")
 INF_STEP = 3
 """The scaler mode puts an inf into one rank's gradient at this step: every rank skips it."""
+HYBRID = "hybrid2"
+"""The stage of ZeRO-2 over a hybrid layout: ``OSS(..., shard_size=SHARD_SIZE)`` under ShardedDataParallel, each
+rank's gradient summed in its shard group and the group sums across replicas (Note [hybrid reduction])."""
+SHARD_SIZE = 2
 
 
 def mlp(dtype: torch.dtype, seed: int = 0) -> nn.Module:
@@ -103,7 +108,7 @@ def _hold_steps(opt: OSS) -> threading.Semaphore:
 
 def _build(stage: str, model: nn.Module, dtype: torch.dtype, delay: int | None) -> tuple[OSS, nn.Module]:
     opt = OSS(model.parameters(), optim=torch.optim.AdamW, offload="cpu", delay_update_after=delay,
-              master_dtype=F32 if dtype != F32 else None, **ADAMW)
+              master_dtype=F32 if dtype != F32 else None, shard_size=SHARD_SIZE if stage == HYBRID else None, **ADAMW)
     return opt, (DDP(model) if stage == "zero1" else ShardedDataParallel(model, opt))
 
 
@@ -112,6 +117,7 @@ def _delayed(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode: s
     final ``finish_update()``, the consolidated state, the clip norms and the checkpoint checks."""
     model = mlp(dtype)
     opt, wrapped = _build(stage, model, dtype, WARMUP)
+    assert (opt.layout is not None) == (stage == HYBRID), (stage, opt.layout)
     scaler = ShardedGradScaler(init_scale=2.0**8, growth_interval=2, device="cpu") if mode == "scaler" else None
     permits = _hold_steps(opt) if mode == "overlap" else None
     out: dict[str, Any] = {"after_step": [], "norms": []}
@@ -170,8 +176,10 @@ class StaleReference:
     else at the next step, as OSS finishes a delayed update.
 
     Args:
-        stage: ``"zero1"`` (gradients through DDP) or ``"zero2"`` (every rank's local gradients
-            computed here and summed in rank order, ShardedDataParallel's arithmetic).
+        stage: ``"zero1"`` (gradients through DDP), ``"zero2"`` (every rank's local gradients
+            computed here and summed in rank order, ShardedDataParallel's arithmetic) or ``HYBRID``
+            (summed in rank order inside each shard group, then the group sums in group order:
+            hybrid ShardedDataParallel's, bit for bit with 2 replicas, tests/helpers/hybrid.py).
         dtype: the model's dtype.
         world_size: the ranks whose data the gradients average.
     """
@@ -211,6 +219,9 @@ class StaleReference:
             if quiet:
                 return
             local, self._sums = self._sums, None
+        if self.stage == HYBRID:  # widened exactly, scaled by 1/N in fp32, group then replicas (as sdp_reduce)
+            self._add(group_then_replicas([[g.to(F32) for g in grads] for grads in local], SHARD_SIZE))  # type: ignore[arg-type]
+            return
         self._add([sdp_reduce(list(g), F32) for g in zip(*local, strict=True)])
 
     def _add(self, grads: list[torch.Tensor]) -> None:
@@ -298,13 +309,14 @@ def _reference(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode:
 # ---------------------------------------------------------------------- the sweep
 
 
-def _sweep(rank: int, world_size: int, folder: str, modes: tuple[str, ...]) -> dict[str, dict[str, bool]]:
+def _sweep(rank: int, world_size: int, folder: str, modes: tuple[str, ...],
+           stages: tuple[str, ...] = ("zero1", "zero2")) -> dict[str, dict[str, bool]]:
     out: dict[str, dict[str, bool]] = {}
     numel = sum(p.numel() for p in mlp(F32).parameters())
-    for stage in ("zero1", "zero2"):
+    for stage in stages:
         for dtype in (F32, BF16):
             for mode in modes:
-                if mode == "freeze" and stage == "zero1":
+                if mode == "freeze" and stage != "zero2":
                     continue
                 run = _delayed(rank, world_size, stage, dtype, mode, folder)
                 ref = _reference(rank, world_size, stage, dtype, mode, run["norms"])
@@ -326,6 +338,15 @@ def _sweep(rank: int, world_size: int, folder: str, modes: tuple[str, ...]) -> d
 def test_delayed_update_equals_a_reference_that_applies_each_update_one_step_late(world_size: int, tmp_path: Any) -> None:
     results = run_ranks(_sweep, world_size, str(tmp_path), MODES, timeout_s=600)
     assert results[0], "no configuration ran"
+    for tag in results[0]:
+        for key in results[0][tag]:
+            assert all(r[tag][key] for r in results), (tag, key, [r[tag] for r in results])
+
+
+def test_delayed_hybrid_zero2_at_2_groups_of_2_equals_the_group_then_replicas_reference_one_step_late(
+        tmp_path: Any) -> None:
+    results = run_ranks(_sweep, 4, str(tmp_path), tuple(m for m in MODES if m != "freeze"), (HYBRID,), timeout_s=600)
+    assert len(results[0]) == 2 * (len(MODES) - 1), sorted(results[0])
     for tag in results[0]:
         for key in results[0][tag]:
             assert all(r[tag][key] for r in results), (tag, key, [r[tag] for r in results])
