@@ -235,6 +235,11 @@ class OSS(Optimizer):
                 if t is not None]
 
     @property
+    def delay_update_after(self) -> int | None:
+        """The ordinary steps before the update is delayed (Note [delayed update]); ``None``: never delayed."""
+        return self._delay.after_steps
+
+    @property
     def master_dtype(self) -> torch.dtype | None:
         """The dtype of the master weights (``None``: no masters; Note [master weights] in shardopt.optim.masters)."""
         return self._masters.dtype
@@ -355,17 +360,7 @@ class OSS(Optimizer):
         self._masters.follow_outside_writes(params)
         delayed = self._delay.begin_step()  # counts every step (Note [saved step count]); False with a closure
         if closure is not None:
-            user_closure = closure
-
-            def folding_closure() -> float:
-                # Folded after the closure's backward only: folding first moved no_sync sums into
-                # the masters before DDP's reduction in that backward (other ranks' were lost).
-                loss = user_closure()
-                self._shard.collect_grads(params)
-                self._shard.prepare_step(params)
-                return loss
-
-            loss = self._shard.run_step(lambda: self.optim.step(closure=folding_closure, **kwargs))
+            loss = self._shard.run_closure_step(params, closure, lambda folding: self.optim.step(closure=folding, **kwargs))
         else:
             self._shard.collect_grads(params)
             if delayed:  # Note [delayed update] in shardopt.optim.delayed_update
