@@ -66,20 +66,18 @@ CONSOLIDATED_FORMAT = "shardopt.consolidated/3"
 SHARDED_FORMAT = "shardopt.sharded/3"
 _OLD_FORMATS = {"shardopt.consolidated/1", "shardopt.sharded/1", "shardopt.consolidated/2", "shardopt.sharded/2"}
 _META_FILE = SHARDED_MARKER
-PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 
 # Note [sharded optimizer layout]
-# An OSS rank holds the state of the parameters it owns, frozen ones included. Its entries
-# are saved under "optim.<global parameter index>.<state name>", so the folder holds every
-# entry exactly once and a load at another world size works: each rank asks dcp for the
-# indices it owns under the new partition, shaped from the folder's metadata. Non-tensor
-# state values and the param-group hyperparameters go in a small metadata file that rank 0
-# writes next to dcp's files. A ZeRO-3 FullyShardedDataParallel describes its parameters and
-# its optimizer's state as ShardedTensor pieces keyed by parameter name (Note [sharded
-# optimizer state dict] in shardopt.nn.fsdp.optim_state_dict). Any other optimizer (a plain
-# torch.optim over a DDP model, or one over the DTensor shards of an FSDP2 model) goes
-# through torch's get_state_dict / set_state_dict, which key state by parameter name and let
-# dcp deduplicate replicated tensors and reshard DTensors.
+# An OSS rank holds the state of the parameters it owns, frozen ones included. Its entries are saved under
+# "optim.<global parameter index>.<state name>", so the folder holds every entry exactly once and a load at another
+# world size works: each rank asks dcp for the indices it owns under the new partition, shaped from the folder's
+# metadata. Non-tensor state values, the param-group hyperparameters and OSS's step count ("optim_entries", absent in
+# older folders: Note [saved step count] in shardopt.optim.delayed_update) go in a small metadata file that rank 0
+# writes next to dcp's files. A ZeRO-3 FullyShardedDataParallel describes its parameters and its optimizer's state as
+# ShardedTensor pieces keyed by parameter name (Note [sharded optimizer state dict] in
+# shardopt.nn.fsdp.optim_state_dict). Any other optimizer (a plain torch.optim over a DDP model, or one over the
+# DTensor shards of an FSDP2 model) goes through torch's get_state_dict / set_state_dict, which key state by parameter
+# name and let dcp deduplicate replicated tensors and reshard DTensors.
 
 
 @runtime_checkable
@@ -102,10 +100,12 @@ class ShardedOptimizer(Protocol):
 
     def sharded_state_entries(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
 
+    def state_dict_entries(self) -> dict[str, Any]: ...
+
     def sharded_state_template(self, saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]: ...
 
     def load_sharded_state_entries(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any],
-                                   param_groups: list[dict[str, Any]]) -> None: ...
+                                   param_groups: list[dict[str, Any]], entries: Mapping[str, Any] | None = None) -> None: ...
 
 
 @runtime_checkable
@@ -436,13 +436,12 @@ def save_sharded(
             dcp.save(state, checkpoint_id=staging, storage_writer=_writer(staging, state))
         if _rank() == 0:
             gathered[0][1].update(checksums(state["model"], "/model") if kind == "oss" else {})
-            oss_groups = kind == "oss" and optimizer is not None
+            oss = optimizer if kind == "oss" and isinstance(optimizer, ShardedOptimizer) else None
+            groups = None if oss is None else [{k: v for k, v in g.items() if k != "params"} for g in oss.param_groups]
             meta = {
-                "format": SHARDED_FORMAT, "world_size": _world(), "optim_kind": kind,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-                if oss_groups and optimizer is not None else None,
-                "group_sizes": [len(g["params"]) for g in optimizer.param_groups]
-                if oss_groups and optimizer is not None else None,
+                "format": SHARDED_FORMAT, "world_size": _world(), "optim_kind": kind, "param_groups": groups,
+                "group_sizes": None if oss is None else [len(g["params"]) for g in oss.param_groups],
+                "optim_entries": None if oss is None else oss.state_dict_entries(),  # Note [sharded optimizer layout]
                 "optim_values": {k: v for part, _ in gathered for k, v in part.items()},
                 "checksums": {k: v for _, part in gathered for k, v in part.items()},
                 "extra": dict(extra or {}),
@@ -579,7 +578,8 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         _agree(lambda: verify(repr(path), sums, {**checksums(state["model"], "/model"),
                                                   **checksums(state["optim"], "/optim")}))
         model.load_state_dict(state["model"])
-        optimizer.load_sharded_state_entries(state["optim"], meta["optim_values"], meta["param_groups"])
+        optimizer.load_sharded_state_entries(state["optim"], meta["optim_values"], meta["param_groups"],
+                                             meta.get("optim_entries"))
     elif with_optim:
         assert optimizer is not None
         model_state, optim_state = get_state_dict(model, optimizer)

@@ -328,6 +328,11 @@ def estimate_plans(
 #     keeps the parameter shard, its gradient and the moments on the host, (K + 4 + mirror) / N
 #     again (its fp32 shard plays the mirror or the master), and on the device only the units
 #     it gathers in flight: 0 per parameter.
+# With OSS(offload="cpu", delay_update_after=k) (Note [delayed update] in
+# shardopt.optim.delayed_update) the host also keeps the copy of the gradient buffer that a
+# delayed step reads, 4 bytes per owned element, from the first delayed step on: ZeRO-1 and
+# ZeRO-2 + offload then hold (K + 8 + mirror) / N on the host (20 / N in both precisions).
+# ZeRO-3's offload keeps no OSS and has no delayed update: its row does not change.
 # Adam's 0-dim step count adds 4 bytes per stepped tensor (one flat tensor per param group and
 # one per unaligned master: Note [flat masters] in shardopt.optim.flat_masters), and a real
 # plan replaces Psi / N by what the rank owns (Note [the formula and the plan]).
@@ -346,6 +351,8 @@ class StageBytes:
         host_peak: the most bytes per parameter in host memory during a step (``host``: the
             reduced gradients land in the kept buffer).
         world_size: N.
+        delayed_update: the host side counts the delayed update's copy of the gradient buffer
+            (``OSS(delay_update_after=...)``; ZeRO-1/2 with offload only).
     """
 
     stage: str
@@ -354,27 +361,31 @@ class StageBytes:
     host: float
     host_peak: float
     world_size: int
+    delayed_update: bool = False
 
     def as_dict(self) -> dict[str, float | int | str | bool]:
         """Plain values for JSON."""
         return {"stage": self.stage, "offload": self.offload, "device_bytes_per_param": self.device,
                 "host_bytes_per_param": self.host, "host_peak_bytes_per_param": self.host_peak,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "delayed_update": self.delayed_update}
 
 
-def estimate_offload(world_size: int, mixed_precision: bool = True,
-                     optimizer_bytes_per_param: float | None = None) -> tuple[StageBytes, ...]:
+def estimate_offload(world_size: int, mixed_precision: bool = True, optimizer_bytes_per_param: float | None = None,
+                     *, delayed_update: bool = False) -> tuple[StageBytes, ...]:
     """Device and host bytes per parameter for DDP and ZeRO-1/2/3, with and without offload.
 
     How it works: Note [offload bytes per parameter]; the rows without offload are the ZeRO
     paper's (:func:`estimate_model_states`). Example: ZeRO-2 with bf16 parameters, fp32 masters
     and Adam on 8 ranks holds 2 + 16/8 = 4 bytes per parameter on the device without offload,
-    and with it 2 on the device and 16/8 = 2 on the host.
+    and with it 2 on the device and 16/8 = 2 on the host; with ``delayed_update``, 20/8 = 2.5.
 
     Args:
         world_size: data-parallel ranks (N).
         mixed_precision: bf16 parameters with fp32 masters (default K=12), else fp32 (K=8).
         optimizer_bytes_per_param: K, overriding the default for the precision.
+        delayed_update: the ZeRO-1/2 offload rows count the copy of the gradient buffer that
+            ``OSS(offload="cpu", delay_update_after=k)`` keeps on the host, 4 bytes per owned
+            element (ZeRO-3's offload has no delayed update; its row is unchanged).
 
     Returns:
         DDP, ZeRO-1, ZeRO-1 + offload, ZeRO-2, ZeRO-2 + offload, ZeRO-3, ZeRO-3 + offload.
@@ -385,12 +396,13 @@ def estimate_offload(world_size: int, mixed_precision: bool = True,
     est = estimate_model_states(1, world_size, mixed_precision, optimizer_bytes_per_param)
     p, k, n = est.param_bytes, est.optimizer_bytes_per_param, est.world_size
     host = (k + 4 + (0 if mixed_precision else 4)) / n
+    oss_host = host + (4 / n if delayed_update else 0.0)  # the delayed step's copy of the gradient buffer
     return (
         StageBytes("DDP", False, 2 * p + k, 0.0, 0.0, n),
         StageBytes("ZeRO-1", False, 2 * p + k / n, 0.0, 0.0, n),
-        StageBytes("ZeRO-1", True, 2 * p, host, host, n),
+        StageBytes("ZeRO-1", True, 2 * p, oss_host, oss_host, n, delayed_update),
         StageBytes("ZeRO-2", False, p + (p + k) / n, 0.0, 0.0, n),
-        StageBytes("ZeRO-2", True, p, host, host, n),
+        StageBytes("ZeRO-2", True, p, oss_host, oss_host, n, delayed_update),
         StageBytes("ZeRO-3", False, (2 * p + k) / n, 0.0, 0.0, n),
         StageBytes("ZeRO-3", True, 0.0, host, host, n),
     )

@@ -61,9 +61,11 @@ from torch import nn
 
 __all__ = [
     "MASTER_KEY",
+    "STEPS_KEY",
     "assign_writers",
     "check_indexed_state",
     "check_model_state",
+    "check_optimizer_entries",
     "check_optimizer_state",
     "check_state_dict_groups",
     "check_state_fits",
@@ -81,6 +83,26 @@ PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 MASTER_KEY = "master"
 """The state entry under which OSS saves a parameter's master weight (Note [master weights]
 in :mod:`shardopt.optim.masters`): a floating tensor of exactly the parameter's shape."""
+
+STEPS_KEY = "oss_steps"
+"""The entry of an OSS state dict beside ``state`` and ``param_groups`` (in a sharded folder: in its
+``optim_entries``) that holds the ``step()`` calls the optimizer had taken, which ``delay_update_after``
+counts (Note [saved step count] in :mod:`shardopt.optim.delayed_update`). Absent (older dicts, plain
+torch optimizers' dicts): 0."""
+
+
+def check_optimizer_entries(where: str, entries: Any) -> None:
+    """Refuse a saved :data:`STEPS_KEY` in ``entries`` (a state dict, or a sharded folder's
+    ``optim_entries``) that is no step count; an absent one (or ``entries=None``) is fine.
+
+    Raises:
+        ValueError: the value is not an int >= 0 (a bool is refused).
+    """
+    value = entries.get(STEPS_KEY, 0) if isinstance(entries, Mapping) else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: the optimizer entry {STEPS_KEY!r} must be the step() calls taken, an int >= 0, "
+                         f"got {value!r}; it was edited or not saved by OSS: load a state dict saved by OSS, or "
+                         f"delete the {STEPS_KEY!r} entry to count the steps from 0. Nothing was loaded")
 
 
 def _crc(tensor: torch.Tensor) -> int:
@@ -248,6 +270,7 @@ def check_optimizer_state(where: str, optimizer: torch.optim.Optimizer, osd: Any
     if not isinstance(groups, (list, tuple)) or not isinstance(osd.get("state"), Mapping):
         raise ValueError(f"checkpoint {where} holds no optimizer state dict ('state' and 'param_groups'); "
                          "pass optimizer=None to load the model only")
+    check_optimizer_entries(f"checkpoint {where}", osd)
     ours = [len(g["params"]) for g in optimizer.param_groups]
     theirs = [len(g["params"]) for g in groups]
     if ours != theirs:
@@ -315,6 +338,7 @@ def check_state_dict_groups(state_dict: Any, sizes: Sequence[int]) -> tuple[list
             or not all(isinstance(g, dict) and "params" in g for g in groups)):
         raise ValueError("state_dict must be a torch.optim state dict with 'state' and 'param_groups' "
                          "(each group with 'params'); pass optimizer.state_dict() output")
+    check_optimizer_entries("state_dict", state_dict)
     ours, theirs = list(sizes), [len(g["params"]) for g in groups]
     if ours != theirs:
         raise ValueError(
@@ -372,7 +396,8 @@ def check_indexed_state(where: str, optimizer: torch.optim.Optimizer, shapes: li
         where: the checkpoint, for messages.
         optimizer: the optimizer to load into (its groups' sizes are compared).
         shapes: the full shape of each of its parameters, by index.
-        meta: the folder's metadata (``group_sizes``; only ``param_groups`` in formats /1, /2).
+        meta: the folder's metadata (``group_sizes``, ``optim_entries`` if saved; only ``param_groups`` in
+            formats /1, /2).
         saved: every saved entry's shape and dtype (from dcp's metadata, so every rank
             reaches the same answer).
 
@@ -398,6 +423,7 @@ def check_indexed_state(where: str, optimizer: torch.optim.Optimizer, shapes: li
             blocks.append((head, name, torch.empty(shape, dtype=dtype, device="meta")))
             continue
         state.setdefault(int(head), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
-    check_optimizer_state(where, optimizer, {"state": state, "param_groups": groups}, shapes)
+    entries = meta.get("optim_entries") or {}  # absent in folders saved before it existed
+    check_optimizer_state(where, optimizer, {"state": state, "param_groups": groups, **entries}, shapes)
     for head, name, value in blocks:
         _check_block_entry(where, head, name, value, shapes)

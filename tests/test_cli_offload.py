@@ -201,6 +201,28 @@ def test_estimate_offload_shows_device_and_host_bytes_per_parameter(tmp_path: Pa
                              "argument --offload: invalid choice: 'nvme'")], capsys)
 
 
+def test_estimate_offload_with_delayed_update_adds_the_gradient_copy_to_the_zero1_and_zero2_host(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--params", "7.5e9", "--world-size", "64", "--offload", "cpu", "--delayed-update",
+                 "--json", str(out)]) == 0
+    rows = {(r["stage"], r["offload"]): r for r in _json(out)["offload"]}
+    for stage in ("ZeRO-1", "ZeRO-2"):  # 16 bytes per owned parameter and the delayed step's 4-byte copy
+        row = rows[(stage, True)]
+        assert (row["host_bytes_per_param"], row["host_peak_bytes_per_param"]) == (20 / 64, 20 / 64), row
+        assert row["delayed_update"] and row["bench_mode"] is None, row  # no bench mode delays the update
+    zero3 = rows[("ZeRO-3", True)]  # FullyShardedDataParallel's offload keeps no OSS: no delayed update
+    assert zero3["host_bytes_per_param"] == 16 / 64 and not zero3["delayed_update"], zero3
+    assert rows[("ZeRO-2", False)]["device_bytes_per_param"] == 2 + 14 / 64
+    printed = " ".join(capsys.readouterr().out.split())
+    for text in ("without and with offload (ZeRO-1/2: and the delayed update)", "cpu+delay",
+                 "also keeps the copy of the gradient buffer its delayed step reads, 4 B per owned parameter"):
+        assert text in printed, text
+    assert_one_line_errors([(["estimate", "--params", "1e9", "--world-size", "8", "--delayed-update"],
+                             "--delayed-update counts the host copy of OSS(offload='cpu', delay_update_after=k): "
+                             "pass --offload cpu with it, or drop --delayed-update")], capsys)
+
+
 def _offloaded_bytes(rank: int, world_size: int) -> dict[str, dict[str, int]]:
     """Model-state bytes of OSS(offload="cpu") counted as the bench counts them (host at the update,
     device after the step), the ZeRO-2 host bytes between backward and the step, and what this rank owns."""

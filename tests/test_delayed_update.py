@@ -16,20 +16,27 @@ norms] in tests/helpers/clip.py: the default plan splits the 64 x 64 weight at 2
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 from contextlib import nullcontext
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardopt import checkpoint
+from shardopt.files import SHARDED_MARKER
+from shardopt.integrations.checkpoints import convert_sharded
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
+from shardopt.state_checks import meta_crc
 from shardopt.testing import RankFailure, run_ranks
 from tests.helpers.clip import norms_within
+from tests.helpers.hybrid import group_then_replicas
 from tests.helpers.masters import backward_micro_steps, loss_of, sdp_reduce
 from tests.helpers.oss import state_entries_equal
 
@@ -50,6 +57,10 @@ ACCUMULATING = ("accumulate", "no_sync", "overlap")
 CLIPPING = ("clip", "overlap")
 INF_STEP = 3
 """The scaler mode puts an inf into one rank's gradient at this step: every rank skips it."""
+HYBRID = "hybrid2"
+"""The stage of ZeRO-2 over a hybrid layout: ``OSS(..., shard_size=SHARD_SIZE)`` under ShardedDataParallel, each
+rank's gradient summed in its shard group and the group sums across replicas (Note [hybrid reduction])."""
+SHARD_SIZE = 2
 
 
 def mlp(dtype: torch.dtype, seed: int = 0) -> nn.Module:
@@ -97,7 +108,7 @@ def _hold_steps(opt: OSS) -> threading.Semaphore:
 
 def _build(stage: str, model: nn.Module, dtype: torch.dtype, delay: int | None) -> tuple[OSS, nn.Module]:
     opt = OSS(model.parameters(), optim=torch.optim.AdamW, offload="cpu", delay_update_after=delay,
-              master_dtype=F32 if dtype != F32 else None, **ADAMW)
+              master_dtype=F32 if dtype != F32 else None, shard_size=SHARD_SIZE if stage == HYBRID else None, **ADAMW)
     return opt, (DDP(model) if stage == "zero1" else ShardedDataParallel(model, opt))
 
 
@@ -106,6 +117,7 @@ def _delayed(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode: s
     final ``finish_update()``, the consolidated state, the clip norms and the checkpoint checks."""
     model = mlp(dtype)
     opt, wrapped = _build(stage, model, dtype, WARMUP)
+    assert (opt.layout is not None) == (stage == HYBRID), (stage, opt.layout)
     scaler = ShardedGradScaler(init_scale=2.0**8, growth_interval=2, device="cpu") if mode == "scaler" else None
     permits = _hold_steps(opt) if mode == "overlap" else None
     out: dict[str, Any] = {"after_step": [], "norms": []}
@@ -118,7 +130,7 @@ def _delayed(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode: s
                 checkpoint.save_sharded(path, model, opt)
             out["saved_model"] = _params(model)  # the save wrote the pending update first
             model = mlp(dtype, seed=5)
-            opt, wrapped = _build(stage, model, dtype, max(0, WARMUP - SAVE_AT))  # the warm-up is over
+            opt, wrapped = _build(stage, model, dtype, WARMUP)  # the checkpoint holds the steps taken
             if stage == "zero1":
                 checkpoint.load_consolidated(path + ".pt", model, opt)
             else:
@@ -164,8 +176,10 @@ class StaleReference:
     else at the next step, as OSS finishes a delayed update.
 
     Args:
-        stage: ``"zero1"`` (gradients through DDP) or ``"zero2"`` (every rank's local gradients
-            computed here and summed in rank order, ShardedDataParallel's arithmetic).
+        stage: ``"zero1"`` (gradients through DDP), ``"zero2"`` (every rank's local gradients
+            computed here and summed in rank order, ShardedDataParallel's arithmetic) or ``HYBRID``
+            (summed in rank order inside each shard group, then the group sums in group order:
+            hybrid ShardedDataParallel's, bit for bit with 2 replicas, tests/helpers/hybrid.py).
         dtype: the model's dtype.
         world_size: the ranks whose data the gradients average.
     """
@@ -205,6 +219,9 @@ class StaleReference:
             if quiet:
                 return
             local, self._sums = self._sums, None
+        if self.stage == HYBRID:  # widened exactly, scaled by 1/N in fp32, group then replicas (as sdp_reduce)
+            self._add(group_then_replicas([[g.to(F32) for g in grads] for grads in local], SHARD_SIZE))  # type: ignore[arg-type]
+            return
         self._add([sdp_reduce(list(g), F32) for g in zip(*local, strict=True)])
 
     def _add(self, grads: list[torch.Tensor]) -> None:
@@ -292,13 +309,14 @@ def _reference(rank: int, world_size: int, stage: str, dtype: torch.dtype, mode:
 # ---------------------------------------------------------------------- the sweep
 
 
-def _sweep(rank: int, world_size: int, folder: str, modes: tuple[str, ...]) -> dict[str, dict[str, bool]]:
+def _sweep(rank: int, world_size: int, folder: str, modes: tuple[str, ...],
+           stages: tuple[str, ...] = ("zero1", "zero2")) -> dict[str, dict[str, bool]]:
     out: dict[str, dict[str, bool]] = {}
     numel = sum(p.numel() for p in mlp(F32).parameters())
-    for stage in ("zero1", "zero2"):
+    for stage in stages:
         for dtype in (F32, BF16):
             for mode in modes:
-                if mode == "freeze" and stage == "zero1":
+                if mode == "freeze" and stage != "zero2":
                     continue
                 run = _delayed(rank, world_size, stage, dtype, mode, folder)
                 ref = _reference(rank, world_size, stage, dtype, mode, run["norms"])
@@ -320,6 +338,15 @@ def _sweep(rank: int, world_size: int, folder: str, modes: tuple[str, ...]) -> d
 def test_delayed_update_equals_a_reference_that_applies_each_update_one_step_late(world_size: int, tmp_path: Any) -> None:
     results = run_ranks(_sweep, world_size, str(tmp_path), MODES, timeout_s=600)
     assert results[0], "no configuration ran"
+    for tag in results[0]:
+        for key in results[0][tag]:
+            assert all(r[tag][key] for r in results), (tag, key, [r[tag] for r in results])
+
+
+def test_delayed_hybrid_zero2_at_2_groups_of_2_equals_the_group_then_replicas_reference_one_step_late(
+        tmp_path: Any) -> None:
+    results = run_ranks(_sweep, 4, str(tmp_path), tuple(m for m in MODES if m != "freeze"), (HYBRID,), timeout_s=600)
+    assert len(results[0]) == 2 * (len(MODES) - 1), sorted(results[0])
     for tag in results[0]:
         for key in results[0][tag]:
             assert all(r[tag][key] for r in results), (tag, key, [r[tag] for r in results])
@@ -416,6 +443,165 @@ def _finishing(rank: int, world_size: int, folder: str) -> dict[str, bool]:
 def test_saving_consolidating_and_re_planning_write_the_pending_update_and_a_load_drops_it(tmp_path: Any) -> None:
     for r in run_ranks(_finishing, 2, str(tmp_path), timeout_s=300):
         assert r and all(r.values()), r
+
+
+# ---------------------------------------------------------------------- resuming: the saved step count
+
+RESUME_WARMUP = 3
+"""delay_update_after of the resume test: steps 0-2 ordinary, from step 3 on delayed."""
+RESUME_AT = (1, 4)
+"""The resume test saves before step 1 (in the warm-up) and before step 4 (one delayed step done; its update pending)."""
+
+
+def _save(kind: str, path: str, model: nn.Module, opt: OSS) -> None:
+    if kind == "consolidated":
+        checkpoint.save_consolidated(path, model, opt)
+    else:
+        checkpoint.save_sharded(path, model, opt)
+
+
+def _load(kind: str, path: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    if kind == "consolidated":
+        checkpoint.load_consolidated(path, model, opt)
+    else:
+        checkpoint.load_sharded(path, model, opt)
+
+
+def _as_before_the_count(kind: str, path: str, old: str) -> None:
+    """Write at ``old`` the checkpoint at ``path`` as shardopt wrote it before the step count was saved:
+    without the optimizer's ``"oss_steps"`` (consolidated) or the folder's ``optim_entries`` (sharded)."""
+    if kind == "consolidated":
+        blob = torch.load(path, weights_only=True)
+        del blob["optimizer"]["oss_steps"], blob["checksums"]["optimizer"]["/oss_steps"]
+        torch.save(blob, old)
+        return
+    shutil.copytree(path, old)
+    meta_path = os.path.join(old, SHARDED_MARKER)
+    meta = torch.load(meta_path, weights_only=True)
+    del meta["optim_entries"], meta["meta_crc"]
+    meta["meta_crc"] = meta_crc(meta)
+    torch.save(meta, meta_path)
+
+
+def _go_on(rank: int, model: nn.Module, wrapped: nn.Module, opt: OSS, start: int, dtype: torch.dtype) -> dict[str, Any]:
+    """Steps ``start`` to ``STEPS - 1``: the parameters after each, after ``finish_update()``, the state and the count."""
+    seen = _train(rank, model, wrapped, opt, range(start, STEPS), dtype)
+    opt.finish_update()
+    saved = opt.state_dict(all_ranks=True)
+    return {"after_step": seen, "final": _params(model), "state": saved["state"], "steps": saved["oss_steps"]}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (all(_equal(x, y) for x, y in zip(a["after_step"], b["after_step"], strict=True))
+            and _equal(a["final"], b["final"]) and state_entries_equal(a["state"], b["state"]))
+
+
+def _resumed(rank: int, kind: str, stage: str, dtype: torch.dtype, path: str, delay: int, start: int) -> dict[str, Any]:
+    """A fresh model and OSS(delay_update_after=delay) that load ``path`` and go on from step ``start``."""
+    model = mlp(dtype, seed=5)
+    opt, wrapped = _build(stage, model, dtype, delay)
+    _load(kind, path, model, opt)
+    return _go_on(rank, model, wrapped, opt, start, dtype)
+
+
+def _resuming(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """For each checkpoint kind, stage, dtype and save point: the run that saves and goes on, a fresh
+    OSS with the same delay_update_after that loads the checkpoint and goes on, and one that loads it
+    as written before the count was saved."""
+    out: dict[str, Any] = {}
+    for kind, stage in (("consolidated", "zero1"), ("consolidated", "zero2"), ("sharded", "zero1"),
+                        ("sharded", "zero2")):
+        for dtype in (F32, BF16):
+            for save_at in RESUME_AT:
+                tag = f"{kind}/{stage}/{dtype}/save before step {save_at}"
+                path = os.path.join(folder, tag.replace("/", "-").replace(" ", "_"))
+                model = mlp(dtype)
+                opt, wrapped = _build(stage, model, dtype, RESUME_WARMUP)
+                _train(rank, model, wrapped, opt, range(save_at), dtype)
+                _save(kind, path, model, opt)
+                saved = _params(model)  # the save wrote the pending update first
+                on = _go_on(rank, model, wrapped, opt, save_at, dtype)
+                again = _resumed(rank, kind, stage, dtype, path, RESUME_WARMUP, save_at)
+                if rank == 0:
+                    _as_before_the_count(kind, path, path + "-old")
+                dist.barrier()
+                old = _resumed(rank, kind, stage, dtype, path + "-old", RESUME_WARMUP, save_at)
+                # A count from 0 with delay_update_after=k is the saved count with k + save_at.
+                shifted = _resumed(rank, kind, stage, dtype, path, RESUME_WARMUP + save_at, save_at)
+                out[tag] = {"resumed equals the run that saved": _same(again, on),
+                            "counts": (on["steps"], again["steps"], old["steps"]),
+                            "old checkpoint counts from 0": _same(old, shifted),
+                            "old checkpoint differs": not _same(old, on),
+                            "folder": path, "saved": saved}
+    out["loads elsewhere"] = _loads_elsewhere(rank, folder)
+    return out
+
+
+def _loads_elsewhere(rank: int, folder: str) -> dict[str, bool]:
+    """A checkpoint of a delayed, offloaded OSS loads into an OSS without offload and into torch's AdamW; a
+    bad saved count is refused before anything changes."""
+    path = os.path.join(folder, "elsewhere.pt")
+    model = mlp(F32)
+    opt, wrapped = _build("zero1", model, F32, 1)
+    _train(rank, model, wrapped, opt, range(3), F32)
+    checkpoint.save_consolidated(path, model, opt)
+    out: dict[str, bool] = {}
+    plain_model = mlp(F32, seed=5)
+    plain = OSS(plain_model.parameters(), optim=torch.optim.AdamW, **ADAMW)
+    checkpoint.load_consolidated(path, plain_model, plain)
+    out["OSS without offload takes the count"] = plain.state_dict(all_ranks=True)["oss_steps"] == 3
+    out["OSS without offload takes the weights"] = _equal(_params(plain_model), _params(model))
+    torch_model = mlp(F32, seed=5)
+    adamw = torch.optim.AdamW(torch_model.parameters(), **ADAMW)
+    checkpoint.load_consolidated(path, torch_model, adamw)
+    out["torch's AdamW takes the state"] = state_entries_equal(adamw.state_dict()["state"],
+                                                               opt.state_dict(all_ranks=True)["state"])
+    good = opt.state_dict(all_ranks=True)
+    for value in (-1, True, 2.0, "3"):
+        try:
+            opt.load_state_dict({**good, "oss_steps": value})
+            out[f"oss_steps={value!r} refused"] = False
+        except ValueError as exc:
+            out[f"oss_steps={value!r} refused"] = str(exc) == (
+                f"state_dict: the optimizer entry 'oss_steps' must be the step() calls taken, an int >= 0, got "
+                f"{value!r}; it was edited or not saved by OSS: load a state dict saved by OSS, or delete the "
+                "'oss_steps' entry to count the steps from 0. Nothing was loaded")
+    if rank == 0:
+        blob = torch.load(path, weights_only=True)
+        blob["optimizer"]["oss_steps"] = -2
+        blob["checksums"]["optimizer"].pop("/oss_steps")
+        torch.save(blob, path + "-bad")
+    dist.barrier()
+    fresh = mlp(F32, seed=5)
+    fresh_opt, _ = _build("zero1", fresh, F32, 1)
+    before = _params(fresh)
+    try:
+        checkpoint.load_consolidated(path + "-bad", fresh, fresh_opt)
+        out["bad count in a file refused"] = False
+    except ValueError as exc:
+        out["bad count in a file refused"] = (f"checkpoint {path + '-bad'!r}: the optimizer entry 'oss_steps' must be "
+                                              "the step() calls taken, an int >= 0, got -2" in str(exc))
+    out["bad count in a file changes nothing"] = _equal(_params(fresh), before)
+    return out
+
+
+def test_a_run_resumed_with_the_same_delay_update_after_equals_the_run_that_saved_and_old_checkpoints_count_from_0(
+        tmp_path: Any) -> None:
+    results = run_ranks(_resuming, 2, str(tmp_path), timeout_s=600)
+    for r in results:
+        elsewhere = r.pop("loads elsewhere")
+        assert len(r) == 16, sorted(r)
+        for tag, checks in r.items():
+            assert checks["resumed equals the run that saved"], (tag, checks)
+            assert checks["counts"] == (STEPS, STEPS, STEPS - int(tag.split()[-1])), (tag, checks)
+            assert checks["old checkpoint counts from 0"] and checks["old checkpoint differs"], (tag, checks)
+        assert elsewhere and all(elsewhere.values()), elsewhere
+    for tag, checks in results[0].items():  # `shardopt convert` reads a folder that holds the count
+        if tag.startswith("sharded/"):
+            convert_sharded(checks["folder"], checks["folder"] + ".pt")
+            weights = torch.load(checks["folder"] + ".pt", weights_only=True)["state_dict"]
+            names = [n for n, _ in mlp(F32).named_parameters()]
+            assert _equal([weights[n] for n in names], checks["saved"]), tag
 
 
 # ---------------------------------------------------------------------- worker errors, refusals

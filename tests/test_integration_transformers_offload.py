@@ -147,3 +147,91 @@ def test_an_oss_passed_in_without_the_shardings_offload_is_refused() -> None:
     assert message.startswith("Sharding(offload='cpu') got an OSS built with offload=None, which is used as it was "
                               "built; build it with OSS(..., offload='cpu'), or hand over a plain torch.optim "
                               "optimizer"), message
+
+
+# ---------------------------------------------------------------------- the delayed parameter update
+
+DELAY = 1
+"""``oss_kwargs={"delay_update_after": DELAY}``: step 0 ordinary, steps 1-3 delayed."""
+
+
+class _Pending(TrainerCallback):  # type: ignore[misc]
+    """What the OSS reports at each optimizer step; at each evaluation whether an update was pending (the callback's
+    own ``finish_update()`` then changes the parameters); the parameters when ``train()`` fires on_train_end."""
+
+    def __init__(self) -> None:
+        self.reported: list[Any] = []
+        self.pending_at_evaluate: list[bool] = []
+        self.at_train_end: list[torch.Tensor] = []
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.reported.append(kwargs["optimizer"].optimizer.delay_update_after)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model = kwargs["model"]
+        before = _params(model)
+        kwargs["optimizer"].optimizer.finish_update()  # every rank evaluates
+        self.pending_at_evaluate.append(max_abs_diff(_params(model), before) != 0.0)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.at_train_end = _params(kwargs["model"])
+
+
+def _delayed_train(sharding: Sharding, out: str, resume: str | None = None, **kw: Any) -> tuple[nn.Module, Any, _Pending]:
+    model = _gpt()
+    seen = _Pending()
+    trainer = ShardedTrainer(model=model, args=_args(out, **kw), train_dataset=_Tokens(), eval_dataset=_Tokens(8),
+                             sharding=sharding, callbacks=[seen])
+    trainer.train(resume_from_checkpoint=resume)
+    return model, trainer, seen
+
+
+def _delay_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Per stage: a run evaluated after steps 3 and 4 (the Trainer evaluates at the end too), one neither evaluated
+    nor saved; per checkpoint kind, a run saved every 2 steps and one resumed from its step-2 checkpoint."""
+    _env(rank, world_size)
+    out: dict[str, Any] = {}
+    for stage in STAGES:
+        def sharding(kind: str = "full", stage: int = stage) -> Sharding:
+            return Sharding(stage=stage, checkpoint=kind, offload="cpu", oss_kwargs={"delay_update_after": DELAY})
+
+        _, _, seen = _delayed_train(sharding(), os.path.join(tmp, f"eval-{stage}"), eval_strategy="steps", eval_steps=3)
+        out[f"{stage}/reported"] = seen.reported
+        out[f"{stage}/pending at evaluate"] = seen.pending_at_evaluate
+        model, trainer, seen = _delayed_train(sharding(), os.path.join(tmp, f"plain-{stage}"))
+        out[f"{stage}/train() wrote the last update"] = max_abs_diff(_params(model), seen.at_train_end) != 0.0
+        before = _params(model)
+        trainer.optimizer.optimizer.finish_update()
+        out[f"{stage}/nothing pending after train()"] = max_abs_diff(_params(model), before) == 0.0
+        for kind in ("full", "sharded"):
+            folder = os.path.join(tmp, f"{stage}-{kind}")
+            model, trainer, _ = _delayed_train(sharding(kind), folder, save_strategy="steps", save_steps=2)
+            again, again_trainer, _ = _delayed_train(sharding(kind), os.path.join(tmp, "resumed", f"{stage}-{kind}"),
+                                                     resume=os.path.join(folder, "checkpoint-2"))
+            out[f"{stage}/{kind}/resumed params"] = max_abs_diff(_params(again), _params(model))
+            out[f"{stage}/{kind}/resumed losses"] = _logged(again_trainer, "loss") == _logged(trainer, "loss")
+    return out
+
+
+def test_delay_update_after_reaches_the_oss_and_the_trainer_writes_it_before_evaluating_saving_and_at_the_end() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_delay_runs, 2, tmp, timeout_s=400)
+    for out in results:
+        for stage in STAGES:
+            assert out[f"{stage}/reported"] == [DELAY] * 4, out
+            assert out[f"{stage}/pending at evaluate"] == [False, False], out  # evaluate() wrote it first
+            assert out[f"{stage}/train() wrote the last update"] and out[f"{stage}/nothing pending after train()"], out
+            for kind in ("full", "sharded"):
+                assert out[f"{stage}/{kind}/resumed params"] == 0.0, (stage, kind, out)
+                assert out[f"{stage}/{kind}/resumed losses"], (stage, kind, out)
+
+
+def test_sharding_checks_delay_update_after_when_it_is_built() -> None:
+    assert Sharding(offload="cpu", oss_kwargs={"delay_update_after": 3}).oss_options() == {
+        "delay_update_after": 3, "offload": "cpu"}
+    with pytest.raises(ValueError, match=r"Sharding\(oss_kwargs=\{'delay_update_after': 2\}\) needs offload='cpu'.*"
+                                         r"pass Sharding\(offload='cpu', oss_kwargs=\{'delay_update_after': 2\}\)"):
+        Sharding(oss_kwargs={"delay_update_after": 2})
+    with pytest.raises(TypeError, match=r"Sharding\(oss_kwargs=\{'delay_update_after': True\}\): delay_update_after "
+                                        r"must be an int .*got bool True"):
+        Sharding(offload="cpu", oss_kwargs={"delay_update_after": True})

@@ -42,6 +42,18 @@ def test_estimate_counts_fp32_master_gradients_during_the_step() -> None:
     assert (fp32.stage1_at_step, fp32.stage2_at_step) == (fp32.stage1, fp32.stage2)
 
 
+def test_estimate_offload_with_the_delayed_update_adds_4_bytes_per_owned_parameter_to_zero1_and_zero2_offload() -> None:
+    for mixed in (True, False):
+        plain, delayed = memory.estimate_offload(8, mixed), memory.estimate_offload(8, mixed, delayed_update=True)
+        for a, b in zip(plain, delayed, strict=True):
+            copy = a.offload and a.stage in ("ZeRO-1", "ZeRO-2")  # ZeRO-3's offload keeps no OSS
+            assert (b.host, b.host_peak, b.delayed_update) == ((a.host + 4 / 8, a.host_peak + 4 / 8, True) if copy
+                                                               else (a.host, a.host_peak, False)), (a, b)
+            assert (b.stage, b.offload, b.device, b.world_size) == (a.stage, a.offload, a.device, a.world_size)
+        assert next(r for r in delayed if r.stage == "ZeRO-2" and r.offload).host == 20 / 8
+        assert next(r for r in delayed if r.stage == "ZeRO-1" and r.offload).as_dict()["delayed_update"] is True
+
+
 def test_estimate_rejects_bad_inputs_with_the_value() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         memory.estimate_model_states(10, 0)

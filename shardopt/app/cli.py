@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--offload", choices=["cpu"], default=None,
                      help="also show each stage's bytes per parameter on the device and in host memory, without and "
                      "with OSS(offload='cpu') (masters, Adam state and the gradient buffer on the host; docs/memory.md)")
+    est.add_argument("--delayed-update", action="store_true",
+                     help="with --offload cpu: ZeRO-1/2 offload as OSS(offload='cpu', delay_update_after=k), whose host "
+                     "also keeps the copy of the gradient buffer the delayed step reads (4 bytes per owned parameter)")
     est.add_argument("--optimizer-bytes", type=_non_negative_float, default=None,
                      help="K, optimizer bytes per parameter (default 12 mixed, 8 fp32)")
     est.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON; - writes it to "

@@ -3,7 +3,8 @@ heaviest rank of shardopt's real ownership plans when the shapes are known, and 
 ``--shard-size S`` for hybrid sharding (optimizer and gradient shards planned over the S
 ranks of a shard group, so 1/S of the model per rank instead of 1/N), and with ``--offload cpu``
 the bytes per parameter on the device and in host memory with and without offload (Note
-[offload bytes per parameter] in :mod:`shardopt.memory`)."""
+[offload bytes per parameter] in :mod:`shardopt.memory`; ``--delayed-update``: with the delayed
+update's host copy of the gradient buffer)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ def run_estimate(args: argparse.Namespace) -> int:
             fail("estimate", "--plot needs matplotlib, which is not installed; pip install matplotlib, or drop "
                  "--plot")
         check_writable("estimate", "--plot", args.plot, folder=False, why="the plot is written there")
+    if args.delayed_update and args.offload is None:
+        fail("estimate", "--delayed-update counts the host copy of OSS(offload='cpu', delay_update_after=k): pass "
+             "--offload cpu with it, or drop --delayed-update")
     if args.shard_size is not None:
         try:
             plan_tiling(args.world_size, args.shard_size)
@@ -115,7 +119,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         render_plan(plan, stderr=stderr)
     if hybrid is not None:
         render_hybrid(est, *hybrid, stderr=stderr)
-    offload = None if args.offload is None else estimate_offload(args.world_size, not args.fp32, args.optimizer_bytes)
+    offload = None if args.offload is None else estimate_offload(args.world_size, not args.fp32, args.optimizer_bytes,
+                                                                 delayed_update=args.delayed_update)
     if offload is not None:
         render_offload(offload, est.num_params, not args.fp32, stderr=stderr)
     measured = None if to_measure is None else measure_for_args(to_measure, args, stderr=stderr)

@@ -17,7 +17,8 @@ Note [offload modes]
   live in host memory and the step runs there (Note [offloaded masters] in
   :mod:`shardopt.optim.masters`). On CPU ranks the arithmetic is that of the mode without
   offload, bit for bit (the same kernels on the same values), so their losses and
-  parameters equal ``zero1`` / ``zero2``'s.
+  parameters equal ``zero1`` / ``zero2``'s. ``Setup.delay_update_after`` (set by ``shardopt
+  rehearse --delayed-update`` only) builds the OSS with it.
 - ``zero3-offload``: ``zero3`` with ``cpu_offload=CPUOffload(offload_params=True)``: every
   unit's shard and its reduced gradient live in host memory, so Adam and its state run there
   (Note [offloaded shards] in :mod:`shardopt.nn.fsdp.offload`); on CPU ranks bit for bit the
@@ -56,7 +57,7 @@ def build_ddp_amp(module: nn.Module, setup: Setup) -> Wrapped:
 def build_zero1_offload(module: nn.Module, setup: Setup) -> Wrapped:
     """``zero1-offload``: DDP + ``OSS(..., offload="cpu")`` (Note [offload modes])."""
     model = ddp_of(module, setup)
-    opt = oss_of(module, setup, offload=OFFLOAD)
+    opt = oss_of(module, setup, offload=OFFLOAD, delay_update_after=setup.delay_update_after)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True), offloaded=True)
 
 
@@ -65,7 +66,7 @@ def build_zero2_offload(module: nn.Module, setup: Setup) -> Wrapped:
     in ``zero2`` (Note [offload modes])."""
     from shardopt.nn import ShardedDataParallel
 
-    opt = oss_of(module, setup, split_large_params=False, offload=OFFLOAD)
+    opt = oss_of(module, setup, split_large_params=False, offload=OFFLOAD, delay_update_after=setup.delay_update_after)
     model = ShardedDataParallel(module, opt, reduce_dtype=setup.precision.wire_dtype)
     return Wrapped(model, module, opt, model.no_sync, lambda: opt.zero_grad(set_to_none=True), offloaded=True)
 

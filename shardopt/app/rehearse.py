@@ -60,6 +60,10 @@ class RehearsalConfig:
         seed: initialisation and data seed.
         device: ``"cpu"`` or ``"cuda"``.
         threads: intra-op threads (``None``: torch's default).
+        delayed_update: ``zero1-offload`` / ``zero2-offload`` only: build the OSS with
+            ``delay_update_after`` (Note [a rehearsed delayed update] in
+            :mod:`shardopt.app.rehearse_build`), so the host holds the delayed step's copy of the
+            gradient buffer too.
     """
 
     spec: ModelSpec
@@ -74,6 +78,7 @@ class RehearsalConfig:
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None
+    delayed_update: bool = False
 
 
 @dataclass(frozen=True)
@@ -357,7 +362,8 @@ def rehearse_on_group(config: RehearsalConfig, progress: Callable[[str], None] |
             tracker.label = "build"
             say("building")
             built = build_rank(config.spec, config.mode, config.precision, device, shard_size=config.shard_size,
-                               checkpointing=config.checkpointing, batch_size=config.batch_size, seed=config.seed)
+                               checkpointing=config.checkpointing, batch_size=config.batch_size, seed=config.seed,
+                               delayed_update=config.delayed_update)
             build_peak = tracker.peak_bytes
             batch = make_batch(config.spec, config.batch_size, config.seq_len, rank, config.seed, device)
             if device.type == "cuda":

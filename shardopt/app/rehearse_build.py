@@ -36,12 +36,17 @@ from shardopt.app.shapes import SHAPE_PRESETS, DecoderShape, read_hf_config
 from shardopt.nn.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
 from shardopt.optim import OSS
 
-__all__ = ["REHEARSED_MODES", "Built", "Checkpointed", "ModelSpec", "build_rank", "deferred_all_reduce", "make_batch",
-           "materialize", "model_spec", "num_params", "refuses", "unit_list"]
+__all__ = ["DELAYED_MODES", "REHEARSED_DELAY", "REHEARSED_MODES", "Built", "Checkpointed", "ModelSpec", "build_rank",
+           "deferred_all_reduce", "make_batch", "materialize", "model_spec", "num_params", "refuses", "refuses_delay",
+           "unit_list"]
 
 REHEARSED_MODES = ("ddp", "zero1", "zero2", "zero2-split", "zero1-hybrid", "zero2-hybrid", "zero3", "zero1-offload",
                    "zero2-offload", "zero3-offload")
 """The modes a rehearsal builds: shardopt's own (:data:`shardopt.app.modes.OWN_MODES`); peers are not rehearsed."""
+DELAYED_MODES = ("zero1-offload", "zero2-offload")
+"""The modes rehearsed with ``delayed_update`` too: those that step an offloaded OSS (Note [a rehearsed delayed update])."""
+REHEARSED_DELAY = 1
+"""``delay_update_after`` of a rehearsed delayed update (Note [a rehearsed delayed update])."""
 
 _ZERO3_PRECISIONS = ("fp32", "bf16-master")
 
@@ -189,12 +194,24 @@ def refuses(mode: str, precision: Precision) -> str | None:
 # Note [host storages of a rehearsal]
 # Built.host_tensors names what an offload mode keeps in host memory: for zero1-offload and
 # zero2-offload the offloaded OSS's master buffers (mirrors or fp32 masters), their kept
-# gradient buffer (OSS.offloaded_buffers) and the wrapped optimizer's state; for zero3-offload
+# gradient buffer and, with a delayed update, the copy of it the delayed step reads (all three
+# in OSS.offloaded_buffers) and the wrapped optimizer's state; for zero3-offload
 # every unit's shard, the parameters' gradients (views of the host tensors the reduced shards
 # land in) and the optimizer's state. Gradients a unit holds aside on the device (stash,
 # accumulator) and the gathered parameters stay on the device. The rehearsal splits the live
 # storages at the replayed peak into these and the rest (Note [device and host at the peak] in
 # shardopt.app.rehearse).
+
+# Note [a rehearsed delayed update]
+# `shardopt rehearse --delayed-update` builds zero1-offload's or zero2-offload's OSS with
+# delay_update_after=1 (REHEARSED_DELAY), not 0: the tracker counts the storages of the thread
+# that entered it (Note [tracking storages] in shardopt.app.storage_trace), and Adam makes its
+# state in its first step, which runs on the caller's thread only when that step is ordinary.
+# From the second step on every step is delayed: its launch makes the copy of the gradient
+# buffer on the caller's thread (kept from then on: a host storage), and the replayed steps are
+# delayed ones. What the host step allocates and frees on its worker thread (Adam's temporaries)
+# is not counted, though it runs beside the next forward and backward; the steps before the
+# replayed peak decide nothing else.
 
 
 def _outside_units(module: nn.Module) -> Iterator[nn.Module]:
@@ -360,8 +377,16 @@ def _zero3(module: nn.Module, blocks: nn.ModuleList | None, device: torch.device
     return Built(root, module, opt, [root, *units], offloaded=offload)
 
 
+def refuses_delay(mode: str) -> str | None:
+    """Why ``mode`` cannot be rehearsed with a delayed update (``--delayed-update``), or ``None``."""
+    if mode in DELAYED_MODES:
+        return None
+    return (f"--delayed-update applies to --mode {' and '.join(DELAYED_MODES)} only (an offloaded OSS delays its "
+            f"update), not --mode {mode}; pick one of them, or drop --delayed-update")
+
+
 def build_rank(spec: ModelSpec, mode: str, precision: Precision, device: torch.device, *, shard_size: int | None,
-               checkpointing: bool, batch_size: int, seed: int, lr: float = 1e-4) -> Built:
+               checkpointing: bool, batch_size: int, seed: int, lr: float = 1e-4, delayed_update: bool = False) -> Built:
     """Build this rank's model and optimizer for ``mode`` on the process group that exists.
 
     How it works: Note [materialise what the rank holds]. Under torch's fake group, DDP's
@@ -377,16 +402,20 @@ def build_rank(spec: ModelSpec, mode: str, precision: Precision, device: torch.d
         batch_size: sequences per step (the modes' setup records it).
         seed: the initialisation seed (the same on every rank).
         lr: Adam's learning rate.
+        delayed_update: build the OSS of :data:`DELAYED_MODES` with ``delay_update_after=``
+            :data:`REHEARSED_DELAY` (Note [a rehearsed delayed update]).
 
     Returns:
         The built rank.
 
     Raises:
-        ValueError: a mode or precision the rehearsal does not build, or checkpointing for a
-            model without repeated blocks.
+        ValueError: a mode or precision the rehearsal does not build, checkpointing for a
+            model without repeated blocks, or ``delayed_update`` with another mode.
     """
     reason = refuses(mode, precision) if mode in REHEARSED_MODES else (
         f"--mode {mode!r} is not rehearsed; modes: {', '.join(REHEARSED_MODES)}")
+    if reason is None and delayed_update:
+        reason = refuses_delay(mode)
     if reason is not None:
         raise ValueError(reason)
     torch.manual_seed(seed)
@@ -402,7 +431,8 @@ def build_rank(spec: ModelSpec, mode: str, precision: Precision, device: torch.d
     if mode in ("zero3", "zero3-offload"):
         return _zero3(module, blocks, device, precision, lr, offload=mode == "zero3-offload")
     materialize(module, device, precision.param_dtype)
-    setup = Setup(lr, device, precision, batch_size, 1, shard_size)
+    setup = Setup(lr, device, precision, batch_size, 1, shard_size,
+                  delay_update_after=REHEARSED_DELAY if delayed_update else None)
     wrapped = MODES[mode].wrap(module, setup)
     built = Built(wrapped.model, wrapped.module, wrapped.optimizer, offloaded=wrapped.offloaded)
     if isinstance(wrapped.model, DDP) and failures.is_fake_group():

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from shardopt.app.precision import PRECISIONS, Precision
 from shardopt.app.rehearse import MIN_STEPS, RankRehearsal, RehearsalConfig, heaviest_rank, rehearse_rank
-from shardopt.app.rehearse_build import REHEARSED_MODES, model_spec, num_params, refuses, unit_list
+from shardopt.app.rehearse_build import REHEARSED_MODES, model_spec, num_params, refuses, refuses_delay, unit_list
 from shardopt.app.rehearse_render import render_rehearsal, rehearsal_json
 from shardopt.app.render import JSON_TO_STDOUT, stdout_kept_for_json, write_json
 from shardopt.app.step_model import Link
@@ -126,6 +126,9 @@ def add_rehearse_parser(sub: Any, epilog: str) -> None:
                    help="parameter precision (default bf16-master where the mode has it: bf16 parameters, fp32 "
                         "masters, the bench's -bf16m; zero3: fp32 shards, bf16 compute; ddp: bf16); the offload "
                         "modes take fp32 or bf16-master")
+    p.add_argument("--delayed-update", action="store_true",
+                   help="zero1-offload and zero2-offload: build the OSS with delay_update_after (the host also holds "
+                        "the copy of the gradient buffer its delayed step reads; docs/rehearse.md)")
     p.add_argument("--shard-size", metavar="S", type=_int_range(1, MAX_WORLD_SIZE, "8"), default=None,
                    help="S, ranks per shard group of zero1-hybrid and zero2-hybrid; must divide --world-size")
     p.add_argument("--ranks", metavar="R,R,...", type=_rank_list, default=None,
@@ -264,6 +267,9 @@ def check_args(args: argparse.Namespace) -> Plan:
     if hybrid and args.shard_size is None:
         fail("rehearse", f"--mode {args.mode} shards inside groups of --shard-size S ranks: pass --shard-size S, a "
              f"divisor of --world-size {args.world_size} (e.g. the ranks per node)")
+    delay_reason = refuses_delay(args.mode) if args.delayed_update else None
+    if delay_reason is not None:
+        fail("rehearse", delay_reason)
     if args.shard_size is not None and not hybrid:
         fail("rehearse", f"--shard-size {args.shard_size} applies to --mode zero1-hybrid and zero2-hybrid only; pick "
              "one of them, or drop --shard-size")
@@ -309,7 +315,8 @@ def check_args(args: argparse.Namespace) -> Plan:
              f"at --world-size {args.world_size} needs {_gib(need)} for model states alone and {device.type} has "
              f"{_gib(available)} available; raise --world-size, use --mode zero3, or rehearse on a larger machine")
     config = RehearsalConfig(spec, args.mode, precision, args.world_size, args.shard_size, args.batch_size, seq_len,
-                             args.activation_checkpointing, args.steps, args.seed, device.type, args.threads)
+                             args.activation_checkpointing, args.steps, args.seed, device.type, args.threads,
+                             args.delayed_update)
     overlap = device.type != "cpu" if args.overlap == "auto" else args.overlap == "yes"
     return Plan(config, ranks, device_memory, Link(args.link_gbps, args.latency_us), count, bounds, overlap)
 

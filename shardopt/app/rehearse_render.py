@@ -59,7 +59,8 @@ def _title(plan: Plan) -> str:
     ckpt = ", activation checkpointing" if c.checkpointing else ""
     precision = "fp32 shards, bf16 compute" if c.mode.startswith("zero3") and c.precision.name == "bf16-master" else \
         c.precision.describe()
-    return (f"{c.spec.name} ({plan.num_params / 1e9:.3g}B params), {c.mode} at {precision}, "
+    delayed = " with the delayed update" if c.delayed_update else ""
+    return (f"{c.spec.name} ({plan.num_params / 1e9:.3g}B params), {c.mode}{delayed} at {precision}, "
             f"rank r of N={c.world_size}{layout}, batch {c.batch_size} x {c.seq_len} tokens{ckpt}, on {c.device}")
 
 
@@ -130,7 +131,8 @@ def rehearsal_json(plan: Plan, results: Sequence[RankRehearsal]) -> dict[str, An
     return {
         "command": "rehearse", "model": c.spec.name, "num_params": plan.num_params, "mode": c.mode,
         "precision": c.precision.name, "world_size": c.world_size, "shard_size": c.shard_size,
-        "batch_size": c.batch_size, "seq_len": c.seq_len, "activation_checkpointing": c.checkpointing,
+        "delayed_update": c.delayed_update, "batch_size": c.batch_size, "seq_len": c.seq_len,
+        "activation_checkpointing": c.checkpointing,
         "steps": c.steps, "device": c.device, "device_memory_bytes": plan.device_memory,
         "link": {"gbps": plan.link.gbps, "latency_us": plan.link.latency_us}, "overlap": plan.overlap,
         "memory_method": "torch dispatch-mode storage tracking (docs/rehearse.md)",

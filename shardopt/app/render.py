@@ -427,7 +427,8 @@ _OFFLOAD_MODES: dict[str, dict[tuple[str, bool], str | None]] = {
 
 def offload_rows(rows: Sequence[StageBytes], num_params: int, mixed: bool) -> list[dict[str, Any]]:
     """:func:`~shardopt.memory.estimate_offload`'s rows as plain values, with bytes per rank for
-    ``num_params`` parameters and the bench mode of each (``None`` where there is none).
+    ``num_params`` parameters and the bench mode of each (``None`` where there is none: the bench
+    modes never delay the update, so a row counting its copy has none).
 
     Args:
         rows: the stages.
@@ -439,7 +440,8 @@ def offload_rows(rows: Sequence[StageBytes], num_params: int, mixed: bool) -> li
         ``device_bytes``, ``host_bytes`` and ``host_peak_bytes``.
     """
     modes = _OFFLOAD_MODES["mixed" if mixed else "fp32"]
-    return [{**r.as_dict(), "bench_mode": modes[(r.stage, r.offload)], "device_bytes": r.device * num_params,
+    return [{**r.as_dict(), "bench_mode": None if r.delayed_update else modes[(r.stage, r.offload)],
+             "device_bytes": r.device * num_params,
              "host_bytes": r.host * num_params, "host_peak_bytes": r.host_peak * num_params} for r in rows]
 
 
@@ -454,9 +456,9 @@ def render_offload(rows: Sequence[StageBytes], num_params: int, mixed: bool, std
         mixed: bf16 parameters with fp32 masters (else fp32).
         stderr: print on standard error.
     """
-    n = rows[0].world_size
+    n, delayed = rows[0].world_size, any(r.delayed_update for r in rows)
     table = Table(title=f"device and host memory, {n} ranks, {'bf16 params + fp32 masters' if mixed else 'fp32'}, "
-                        "Adam: without and with offload",
+                        f"Adam: without and with offload{' (ZeRO-1/2: and the delayed update)' if delayed else ''}",
                   caption="B/param = bytes per parameter of the model on one rank; offload cpu: OSS(offload='cpu') "
                           "keeps the owner's masters (fp32 parameters: exact fp32 mirrors), Adam's moments and the "
                           "fp32 gradient buffer in host memory and steps there; device: ZeRO-1 counts DDP's full "
@@ -465,13 +467,16 @@ def render_offload(rows: Sequence[StageBytes], num_params: int, mixed: bool, std
                           "in the kept buffer); ZeRO-3 + offload: FullyShardedDataParallel(cpu_offload=CPUOffload("
                           "offload_params=True)) keeps the shard, its gradient and Adam's state on the host (torch "
                           "FSDP2's CPUOffloadPolicy the same), the units it gathers not counted; Adam's step counts "
-                          "(4 bytes per stepped tensor) not counted; docs/memory.md")
+                          "(4 bytes per stepped tensor) not counted; docs/memory.md"
+                          + ("; cpu+delay: OSS(offload='cpu', delay_update_after=k) also keeps the copy of the gradient "
+                             "buffer its delayed step reads, 4 B per owned parameter (no bench mode delays)" if delayed else ""))
     for name in ("stage", "offload", "bench mode"):
         table.add_column(name, no_wrap=True)
     for name in ("device B/param", "host B/param", "host peak B/param", "device GB/rank", "host GB/rank"):
         table.add_column(name, justify="right")
     for row in offload_rows(rows, num_params, mixed):
-        table.add_row(row["stage"], "cpu" if row["offload"] else "-", row["bench_mode"] or "-",
+        table.add_row(row["stage"], ("cpu+delay" if row["delayed_update"] else "cpu") if row["offload"] else "-",
+                      row["bench_mode"] or "-",
                       f"{row['device_bytes_per_param']:.4g}", f"{row['host_bytes_per_param']:.4g}",
                       f"{row['host_peak_bytes_per_param']:.4g}", _gb(row["device_bytes"]), _gb(row["host_bytes"]))
     console = Console(stderr=stderr)

@@ -87,6 +87,9 @@ class Setup:
             ``None`` for the others.
         compile: compile every transformer block in place before the mode wraps the model
             (Note [--compile in every mode]).
+        delay_update_after: ``OSS(delay_update_after=...)`` of ``zero1-offload`` and ``zero2-offload``
+            (Note [delayed update] in :mod:`shardopt.optim.delayed_update`); ``None`` (default) for
+            every mode: only ``shardopt rehearse --delayed-update`` sets it, for those two.
     """
 
     lr: float
@@ -96,6 +99,7 @@ class Setup:
     grad_accum_steps: int = 1
     shard_size: int | None = None
     compile: bool = False
+    delay_update_after: int | None = None
 
 
 Builder = Callable[[nn.Module, Setup], Wrapped]

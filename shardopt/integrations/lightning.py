@@ -92,6 +92,7 @@ from shardopt.integrations.lightning_precision import (
     sharded_scaler,
     unwrap_optimizer,
 )
+from shardopt.integrations.lightning_delay import FinishesDelayedUpdates
 from shardopt.integrations.offload import check_given_oss, refuse_zero3_offload, resolve_offload
 from shardopt.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardopt.nn import MixedPrecision as FSDPMixedPrecision
@@ -252,8 +253,8 @@ class _ShardedStrategy(DDPStrategy):
             super().load_optimizer_state_dict(checkpoint)
 
 
-class _OSSStrategy(_ShardedStrategy):
-    """ZeRO-1/2: rebuild the optimizers of ``configure_optimizers`` as OSS."""
+class _OSSStrategy(FinishesDelayedUpdates, _ShardedStrategy):
+    """ZeRO-1/2: rebuild the optimizers of ``configure_optimizers`` as OSS (delayed updates: FinishesDelayedUpdates)."""
 
     def __init__(self, oss_kwargs: Mapping[str, Any] | None = None, offload: str | None = None,
                  **kwargs: Any) -> None:
@@ -265,9 +266,8 @@ class _OSSStrategy(_ShardedStrategy):
         """Build the user's optimizers, rebuild each as OSS and rebind its LR schedulers.
 
         Raises:
-            ValueError: an optimizer cannot be sharded (see :func:`~shardopt.integrations.
-                convert.to_oss`), a scheduler cannot be rebound, or an OSS returned by
-                ``configure_optimizers`` lacks the strategy's ``offload``.
+            ValueError: an optimizer cannot be sharded (see :func:`~shardopt.integrations.convert.to_oss`), a
+                scheduler cannot be rebound, or an OSS returned by ``configure_optimizers`` lacks the ``offload``.
         """
         super().setup_optimizers(trainer)
         converted = []
@@ -304,9 +304,8 @@ class _OSSStrategy(_ShardedStrategy):
         return optimizer.clip_grad_norm(max_norm)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The plain ``torch.optim`` state dict, consolidated on global rank 0 (a collective;
-        other ranks return ``{}``: only rank 0 writes the checkpoint). Sharded: ``{}`` (the
-        folder holds the state)."""
+        """The plain ``torch.optim`` state dict, consolidated on global rank 0 (a collective; other ranks return
+        ``{}``: only rank 0 writes the checkpoint). Sharded: ``{}`` (the folder holds the state)."""
         optimizer = unwrap_optimizer(optimizer)
         if self._sharded():
             return {}
@@ -324,13 +323,15 @@ class ZeRO1Strategy(_OSSStrategy):
     consolidated, plain optimizer state (loadable at any world size or without shardopt).
 
     Args:
-        oss_kwargs: extra :class:`~shardopt.optim.OSS` arguments (``broadcast_fp16``).
+        oss_kwargs: extra :class:`~shardopt.optim.OSS` arguments (``broadcast_fp16``; with ``offload``,
+            ``delay_update_after``: Note [delayed update in the integrations]).
         offload: ``"cpu"``: the OSS keeps masters, their gradients and the optimizer state in
             host memory and steps there (Note [offload in the integrations]); default ``None``.
         **kwargs: Lightning ``DDPStrategy`` arguments, DDP's own included.
 
     Raises:
         ValueError: ``offload`` is not ``None``/``"cpu"`` or disagrees with ``oss_kwargs``.
+        ValueError, TypeError: a bad ``oss_kwargs["delay_update_after"]`` (named, with the fix).
     """
 
     strategy_name = "shardopt_zero1"
@@ -353,7 +354,7 @@ class ZeRO2Strategy(_OSSStrategy):
 
     Raises:
         TypeError: DDP arguments were passed.
-        ValueError: a bad ``offload``, as for :class:`ZeRO1Strategy`.
+        ValueError: a bad ``offload`` or ``oss_kwargs["delay_update_after"]``, as for :class:`ZeRO1Strategy`.
     """
 
     strategy_name = "shardopt_zero2"

@@ -19,7 +19,7 @@ try:
 except ModuleNotFoundError as e:
     raise_missing_extra(e, __name__, "lightning")
 
-from shardopt.optim import ShardedGradScaler
+from shardopt.optim import OSS, ShardedGradScaler
 
 __all__ = ["ShardedHalfPrecision", "ShardedMixedPrecision", "ShardedPrecision", "sharded_scaler", "unwrap_optimizer"]
 
@@ -29,6 +29,21 @@ ClipNorm = Callable[[Optimizer, float], torch.Tensor]
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The optimizer under Lightning's ``LightningOptimizer`` (or ``optimizer`` itself)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _delays(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is an OSS with ``delay_update_after``, whose ``step()`` refuses a closure."""
+    inner = unwrap_optimizer(optimizer)
+    return isinstance(inner, OSS) and inner.delay_update_after is not None
+
+
+def _closure_then_step(plugin: Precision, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    """Lightning's step with the closure (training step, backward, then clipping and
+    ``on_before_optimizer_step``) run first and none passed to ``step()`` (Note [delayed update in the
+    integrations] in :mod:`shardopt.integrations.offload`); returns the closure's result."""
+    closure_result = plugin._wrap_closure(model, optimizer, closure)
+    optimizer.step(**kwargs)
+    return closure_result
 
 
 class ShardedPrecision(Precision):
@@ -46,6 +61,15 @@ class ShardedPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Clip by the norm of the full gradient (a collective: every rank clips)."""
         self.clip_norm(unwrap_optimizer(optimizer), float(clip_val))
+
+    def optimizer_step(  # type: ignore[override]  # Lightning narrows fabric's signature likewise
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any,
+    ) -> Any:
+        """Lightning's ``optimizer.step(closure)``; an OSS that delays its update runs the closure
+        first and steps without it (Note [delayed update in the integrations])."""
+        if _delays(optimizer):
+            return _closure_then_step(self, optimizer, model, closure, **kwargs)
+        return super().optimizer_step(optimizer, model, closure, **kwargs)
 
 
 class ShardedMixedPrecision(MixedPrecision):
@@ -70,6 +94,16 @@ class ShardedMixedPrecision(MixedPrecision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Clip by the norm of the full gradient (a collective: every rank clips)."""
         self.clip_norm(unwrap_optimizer(optimizer), float(clip_val))
+
+    def optimizer_step(  # type: ignore[override]  # Lightning narrows fabric's signature likewise
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any,
+    ) -> Any:
+        """Lightning's step (``"16-mixed"``: the closure first, then the scaler's step); for
+        ``"bf16-mixed"`` and an OSS that delays its update, the closure first and ``step()``
+        without it (Note [delayed update in the integrations])."""
+        if self.scaler is None and _delays(optimizer):
+            return _closure_then_step(self, optimizer, model, closure, **kwargs)
+        return super().optimizer_step(optimizer, model, closure, **kwargs)
 
 
 class ShardedHalfPrecision(HalfPrecision):

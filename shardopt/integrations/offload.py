@@ -19,6 +19,18 @@ to Lightning or the Trainer, which is used as built: one built without the ``off
 configuration asks for is refused, not silently kept on the device. ZeRO-3 keeps no OSS, so ``offload``
 there is refused rather than ignored: offloading a FullyShardedDataParallel model is not
 built yet.
+
+Note [delayed update in the integrations]
+``oss_kwargs={"delay_update_after": k}`` with ``offload="cpu"`` builds the OSS with the delayed
+parameter update (Note [delayed update] in :mod:`shardopt.optim.delayed_update`). The value is
+checked with the configuration, against its resolved ``offload``, by the OSS's own rule, and the
+error names the configuration and its fix. Three things must hold for a delayed OSS inside a
+framework's loop, and the integrations see to them: its ``step()`` is called without a closure
+(Lightning's ``"32-true"`` and ``"bf16-mixed"`` plugins pass theirs into ``step``; the shardopt
+plugins run it first when the OSS delays, as they always do for ``"bf16-true"``); whatever reads the
+model (a full checkpoint, validation, the end of training) comes after ``finish_update()``, which
+writes the pending update (on every rank: it gathers); and a checkpoint carries the step count, so
+a resumed run keeps its warm-up (Note [saved step count] there).
 """
 
 from __future__ import annotations
@@ -26,7 +38,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from shardopt.optim import OSS
+from shardopt.optim.delayed_update import check_delay_update_after
 from shardopt.optim.masters import check_offload
 
 __all__ = ["check_given_oss", "refuse_zero3_offload", "resolve_offload"]
@@ -45,7 +60,9 @@ def resolve_offload(offload: object, oss_kwargs: Mapping[str, Any], owner: str) 
 
     Raises:
         ValueError: the two are both given and differ, or the value is neither ``None`` nor
-            ``"cpu"`` (the OSS's rule).
+            ``"cpu"`` (the OSS's rule); ``oss_kwargs["delay_update_after"]`` is negative or set
+            without offload (Note [delayed update in the integrations]).
+        TypeError: ``oss_kwargs["delay_update_after"]`` is neither ``None`` nor an int.
     """
     in_kwargs = oss_kwargs.get("offload")
     if offload is not None and "offload" in oss_kwargs and in_kwargs != offload:
@@ -57,7 +74,23 @@ def resolve_offload(offload: object, oss_kwargs: Mapping[str, Any], owner: str) 
     except ValueError as e:
         given = f"offload={value!r}" if offload is not None else f"oss_kwargs={{'offload': {value!r}}}"
         raise ValueError(f"{owner}({given}): {e}") from None
+    _check_delay(oss_kwargs, host, owner)
     return None if host is None else host.type
+
+
+def _check_delay(oss_kwargs: Mapping[str, Any], host: torch.device | None, owner: str) -> None:
+    """Refuse ``oss_kwargs["delay_update_after"]`` as the OSS would, naming the configuration and its fix
+    (Note [delayed update in the integrations])."""
+    value = oss_kwargs.get("delay_update_after")
+    given = f"{owner}(oss_kwargs={{'delay_update_after': {value!r}}})"
+    try:
+        check_delay_update_after(value, torch.device("cpu"))  # the value itself; the offload next
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{given}: {e}") from None
+    if value is not None and host is None:
+        raise ValueError(f"{given} needs offload='cpu': only a step in host memory runs in the background while "
+                         f"the next iteration computes (docs/offload.md); pass {owner}(offload='cpu', "
+                         f"oss_kwargs={{'delay_update_after': {value!r}}}), or drop delay_update_after")
 
 
 def refuse_zero3_offload(offload: object, owner: str, instead: str, stage: str = "") -> None:

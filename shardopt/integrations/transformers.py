@@ -18,7 +18,9 @@ What changes against a plain ``Trainer`` (everything else is the Trainer's own):
   wrapper's ``no_sync`` (Accelerate calls it);
 * ``Sharding(offload="cpu")`` (stages 1, 2) keeps the OSS's masters, their gradients and the
   optimizer state in host memory and steps there (Note [offload in the integrations] in
-  :mod:`shardopt.integrations.offload`);
+  :mod:`shardopt.integrations.offload`); with ``oss_kwargs={"delay_update_after": k}`` the update
+  is delayed, and written before the model is saved or evaluated and when ``train()`` ends (Note
+  [delayed update in the integrations] there);
 * ``max_grad_norm`` clips by the global norm and the logged ``grad_norm`` is the global
   one (Note [clipping sharded gradients] in :mod:`shardopt.integrations.lightning`);
 * checkpoints hold the full model and a plain, consolidated optimizer state (stage 3: the
@@ -274,6 +276,17 @@ class ShardedTrainerMixin(_Base):
         assert isinstance(optimizer, OSS), f"stage {self.sharding.stage} builds an OSS, found {type(optimizer)}"
         return optimizer
 
+    def _finish_update(self) -> None:
+        """Write a delayed update into the parameters before they are read (a collective; nothing pending: nothing)."""
+        optimizer = _inner_optimizer(self.optimizer)
+        if isinstance(optimizer, OSS):
+            optimizer.finish_update()
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """``Trainer.evaluate``, at parameters holding every update (:meth:`_finish_update`)."""
+        self._finish_update()
+        return super().evaluate(*args, **kwargs)  # type: ignore[no-any-return]
+
     def create_optimizer(self, model: nn.Module | None = None) -> Optimizer:
         """The Trainer's optimizer, sharded.
 
@@ -370,6 +383,7 @@ class ShardedTrainerMixin(_Base):
         """``Trainer.save_model``; with ``checkpoint="sharded"`` a checkpoint's weights are
         written with the optimizer's shards instead (only the model's config here), so no
         rank gathers the full model."""
+        self._finish_update()  # the model as the optimizer state will be saved (Note [delayed update in the integrations])
         if self._root is not None and (self.sharding.checkpoint is not CheckpointKind.SHARDED or not _internal_call):
             # The gather is a collective: every rank runs it here, since transformers < 5.23
             # calls _save on the writing rank only (5.23 on every rank).
@@ -459,6 +473,7 @@ class ShardedTrainerMixin(_Base):
         ``nn.Parameter`` objects; the optimizer and scheduler are rebuilt by the next
         ``train()``). A collective; after an exception the model stays wrapped."""
         result = super().train(*args, **kwargs)
+        self._finish_update()
         self._unwrap()
         return result
 

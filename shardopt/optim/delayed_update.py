@@ -50,6 +50,21 @@ state replaces it. So after the last ``step()`` the parameters lack its update u
 ``finish_update()`` or a save; a parameter written while an update is pending is overwritten
 when it finishes.
 
+Note [saved step count]
+``delay_update_after`` counts this optimizer's ``step()`` calls (:attr:`DelayedUpdate.steps`; a step
+the grad scaler skips never reaches ``OSS.step``, so it is none), and a resumed run must know how
+many were taken or its warm-up starts again. So the count is saved with the optimizer state:
+``OSS.state_dict()`` holds it under :data:`~shardopt.state_checks.STEPS_KEY` (``"oss_steps"``) beside
+``state`` and ``param_groups`` (torch's ``load_state_dict`` reads only those two, so a plain torch
+optimizer takes the dict as before), and ``save_sharded`` writes it in its metadata file
+(``optim_entries``, from ``OSS.state_dict_entries()``). A load takes it, so a run resumed with the
+same ``delay_update_after`` equals bit for bit the run that saved and went on (a save writes the
+pending update, so in both the iteration after it is not stale). A dict or folder without the
+entry (saved before it existed, or by a plain torch optimizer) starts the count from 0. It is
+saved whether or not the optimizer offloads or delays, as the count the next run's warm-up is
+measured against: one saved after 100 steps without the delay and resumed with
+``delay_update_after=40`` delays from its first step.
+
 A step that raises on the worker is logged at once and raised on the caller's thread by the
 next wait, as a ``RuntimeError`` chained from it, before that wait's gather: that rank stops
 there, and its peers fail in their next collective, as with any error raised on one rank. The
@@ -61,11 +76,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from shardopt.state_checks import STEPS_KEY
 
 __all__ = ["DelayedUpdate", "check_delay_update_after"]
 
@@ -117,10 +135,11 @@ class PendingUpdate:
 class DelayedUpdate:
     """When OSS's steps run in the background, and the one that runs (Note [delayed update]).
 
-    How it works: :meth:`begin_step` counts the steps; from the ``after_steps``-th on it says
-    to delay. :meth:`launch` runs the step on a new worker thread (one per step: it lives as
-    long as the step) and keeps a :class:`PendingUpdate`; at most one is pending, since OSS
-    waits before launching. :meth:`wait` waits for it and re-raises its error.
+    How it works: :meth:`begin_step` counts the steps (saved and loaded with the optimizer state: Note
+    [saved step count]); from the ``after_steps``-th on it says to delay. :meth:`launch` runs the step
+    on a new worker thread (one per step: it lives as long as the step) and keeps a
+    :class:`PendingUpdate`; at most one is pending, since OSS waits before launching. :meth:`wait`
+    waits for it and re-raises its error.
 
     Args:
         after_steps: the ordinary steps before the delay starts; ``None``: never delay.
@@ -132,6 +151,26 @@ class DelayedUpdate:
         self._rank = rank
         self._steps = 0
         self._pending: PendingUpdate | None = None
+
+    @property
+    def steps(self) -> int:
+        """The ``step()`` calls counted so far, those of the run it was loaded from included (Note [saved step count])."""
+        return self._steps
+
+    def saved_entries(self) -> dict[str, Any]:
+        """What an optimizer state dict keeps of this object: ``{STEPS_KEY: steps}`` (Note [saved step count])."""
+        return {STEPS_KEY: self._steps}
+
+    def load(self, entries: Mapping[str, Any]) -> None:
+        """Wait for a pending step and drop it (the loaded state replaces its update: Note [delayed update]),
+        then take the count saved in ``entries`` (checked by ``state_checks.check_optimizer_entries``); 0
+        when it holds none (Note [saved step count]).
+
+        Raises:
+            RuntimeError: as :meth:`wait`.
+        """
+        self.wait()
+        self._steps = int(entries.get(STEPS_KEY, 0))
 
     @property
     def pending(self) -> bool:

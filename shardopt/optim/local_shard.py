@@ -97,8 +97,9 @@ class LocalShard:
     masters as one flat tensor for an elementwise optimizer) and puts carried state back
     (live, or parked for frozen parameters: Note [parked state] in :mod:`shardopt.optim.oss`).
     A step is :meth:`collect_grads` (the fold, also run early by clipping and the scaler), then
-    :meth:`prepare_step` and :meth:`run_step` now, or :meth:`launch` on a worker thread (Note
-    [delayed update] in :mod:`shardopt.optim.delayed_update`), and :meth:`release_grads`.
+    :meth:`prepare_step` and :meth:`run_step` now (:meth:`run_closure_step` with a closure), or
+    :meth:`launch` on a worker thread (Note [delayed update] in
+    :mod:`shardopt.optim.delayed_update`), and :meth:`release_grads`.
 
     Args:
         plan: the ownership plan over ``OSS.params``.
@@ -285,6 +286,22 @@ class LocalShard:
         for flat_group in self.masters.groups:
             flat_group.place_state(self._live().state)
         return out
+
+    def run_closure_step(self, params: Sequence[torch.Tensor], closure: Callable[[], Any],
+                         step: Callable[[Callable[[], Any]], Any]) -> Any:
+        """:meth:`run_step` of ``step(folding)``, where ``folding`` is what the wrapped optimizer calls as its
+        closure: ``closure`` (the caller's forward and backward), then :meth:`collect_grads` and
+        :meth:`prepare_step`; returns what ``step`` returned."""
+
+        def folding() -> Any:
+            # Folded after the closure's backward only: folding first moved no_sync sums into
+            # the masters before DDP's reduction in that backward (other ranks' were lost).
+            loss = closure()
+            self.collect_grads(params)
+            self.prepare_step(params)
+            return loss
+
+        return self.run_step(lambda: step(folding))
 
     def launch(self, params: Sequence[torch.Tensor], delay: DelayedUpdate, step: Callable[[], Any]) -> None:
         """Hand ``step`` a copy of the gradients, release the masters' as a step does, and run it

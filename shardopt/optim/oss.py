@@ -186,9 +186,8 @@ class OSS(Optimizer):
 
     @property
     def partition(self) -> Partition:
-        """The read-only ownership plan over :attr:`params` (frozen params have size 0); a
-        parameter split across ranks is listed with the owner of its first rows (:attr:`plan`
-        has every block)."""
+        """The read-only ownership plan over :attr:`params` (frozen params have size 0); a parameter split across
+        ranks is listed with the owner of its first rows (:attr:`plan` has every block)."""
         return self._partition
 
     @property
@@ -207,8 +206,7 @@ class OSS(Optimizer):
         return self._shard.owned.owns(index)
 
     def owned_rows(self, param: torch.Tensor) -> tuple[int, int] | None:
-        """The dim-0 rows ``[start, stop)`` of ``param`` this rank owns (all of them for a
-        parameter kept whole), or ``None``."""
+        """The dim-0 rows ``[start, stop)`` of ``param`` this rank owns (all of them for one kept whole), or ``None``."""
         index = self._index_of.get(param)
         return None if index is None else self._shard.owned.rows.get(index)
 
@@ -234,12 +232,17 @@ class OSS(Optimizer):
         return None if self._masters.offload is None else self._masters.offload.type
 
     def offloaded_buffers(self) -> list[torch.Tensor]:
-        """The host buffers of the masters and of their kept gradients (Note [offloaded masters]); ``[]`` without."""
+        """The masters' host buffers, their kept gradients' and a delayed step's copy of those; ``[]`` without offload."""
         return self._masters.host_buffers()
 
     def wait_for_grads(self) -> None:
         """Wait for the gradients copied to the host to land (Note [offload copies on a side stream]); else nothing."""
         self._masters.copies.land()
+
+    @property
+    def delay_update_after(self) -> int | None:
+        """The ordinary steps before the update is delayed (Note [delayed update]); ``None``: never delayed."""
+        return self._delay.after_steps
 
     @property
     def master_dtype(self) -> torch.dtype | None:
@@ -360,21 +363,12 @@ class OSS(Optimizer):
         self._shard.push_hyperparams(self.param_groups)
         params = self.params
         self._masters.follow_outside_writes(params)
+        delayed = self._delay.begin_step()  # counts every step (Note [saved step count]); False with a closure
         if closure is not None:
-            user_closure = closure
-
-            def folding_closure() -> float:
-                # Folded after the closure's backward only: folding first moved no_sync sums into
-                # the masters before DDP's reduction in that backward (other ranks' were lost).
-                loss = user_closure()
-                self._shard.collect_grads(params)
-                self._shard.prepare_step(params)
-                return loss
-
-            loss = self._shard.run_step(lambda: self.optim.step(closure=folding_closure, **kwargs))
+            loss = self._shard.run_closure_step(params, closure, lambda folding: self.optim.step(closure=folding, **kwargs))
         else:
             self._shard.collect_grads(params)
-            if self._delay.begin_step():  # Note [delayed update] in shardopt.optim.delayed_update
+            if delayed:  # Note [delayed update] in shardopt.optim.delayed_update
                 self._shard.launch(params, self._delay, lambda: self.optim.step(**kwargs))
                 self._shard.pull_hyperparams(self.param_groups)
                 return None
@@ -483,7 +477,7 @@ class OSS(Optimizer):
                 instead of returning what :meth:`consolidate_state_dict` collected.
 
         Returns:
-            ``{"state": {index: {...}}, "param_groups": [...]}`` over :attr:`params`,
+            ``{"state": {index: {...}}, "param_groups": [...], "oss_steps": n}`` over :attr:`params`,
             loadable by this class at any world size or by the unsharded torch optimizer.
             Hyperparameters are read now (Note [snapshot freshness] in state_transport).
 
@@ -500,7 +494,12 @@ class OSS(Optimizer):
         if self.master_dtype is not None:
             refuse_stale_masters(self._consolidated, self.params, self.rank)
         groups = [{**hyper(g), "params": list(indices)} for g, indices in group_ranges(self.param_groups)]
-        return {"state": self._consolidated.state, "param_groups": groups}
+        return {"state": self._consolidated.state, "param_groups": groups, **self.state_dict_entries()}
+
+    def state_dict_entries(self) -> dict[str, Any]:
+        """The entries of :meth:`state_dict` beside ``state`` and ``param_groups``: ``{"oss_steps": step() calls
+        taken}``, what ``delay_update_after`` counts (Note [saved step count] in shardopt.optim.delayed_update)."""
+        return self._delay.saved_entries()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a plain ``torch.optim`` state dict, saved at any world size or unsharded.
@@ -512,15 +511,15 @@ class OSS(Optimizer):
         the dict lacks (saved without ``master_dtype``) restarts from its parameter, and
         masters this OSS keeps none for are ignored (each warns once). Load the model's
         weights too (before or after): a master and its parameter must agree (Note [masters
-        follow outside writes] in :mod:`shardopt.optim.masters`).
+        follow outside writes] in :mod:`shardopt.optim.masters`). The step count (``"oss_steps"``)
+        is taken, or restarts from 0 when the dict has none (Note [saved step count]).
 
         Args:
             state_dict: from :meth:`state_dict` or ``torch.optim.Optimizer.state_dict``.
 
         Raises:
-            ValueError: the dict is not an optimizer state dict, or its groups, parameter
-                counts, state indices, state shapes or master shapes do not match (checked
-                first).
+            ValueError: the dict is not an optimizer state dict, or its groups, parameter counts, state
+                indices, state shapes, master shapes or step count do not fit (checked first).
             TypeError: a state entry is not a dict.
         """
         groups, to_index = check_state_dict_groups(state_dict, [len(g["params"]) for g in self.param_groups])
@@ -529,7 +528,7 @@ class OSS(Optimizer):
         state = {to_index[k]: dict(s) for k, s in state_dict["state"].items()}
         self._warn_ignored_masters([i for i, s in state.items() if MASTER_KEY in s])
         mine, rows = self._shard.owned.rows, self._plan.rows
-        self._install({i: cut_rows(s, (0, rows[i]), mine[i]) for i, s in state.items() if i in mine}, groups)
+        self._install({i: cut_rows(s, (0, rows[i]), mine[i]) for i, s in state.items() if i in mine}, groups, state_dict)
 
     def _warn_ignored_masters(self, indices: list[int]) -> None:
         """Warn once when saved masters of ``params[indices]`` have no master here to go to."""
@@ -541,11 +540,11 @@ class OSS(Optimizer):
                        "ignored and the parameters keep their values; pass master_dtype=torch.float32 to resume "
                        "from them")
 
-    def _install(self, state: StateByIndex, groups: list[dict[str, Any]]) -> None:
-        """Take the saved hyperparameters of every group and the state of this rank's rows
-        (``state``: by index, already cut to the rows this rank owns, masters included); a pending
-        delayed update is dropped (Note [delayed update] in shardopt.optim.delayed_update)."""
-        self._delay.wait()
+    def _install(self, state: StateByIndex, groups: list[dict[str, Any]], entries: Mapping[str, Any]) -> None:
+        """Take the saved hyperparameters of every group, the state of this rank's rows (``state``: by index,
+        already cut to the rows this rank owns, masters included) and the saved step count (``entries``); a pending
+        delayed update is dropped (Notes [delayed update], [saved step count] in shardopt.optim.delayed_update)."""
+        self._delay.load(entries)
         for g, saved in zip(self.param_groups, groups, strict=False):
             g.update(hyper(saved))
         self._warn_ignored_masters([i for i, s in state.items() if MASTER_KEY in s])
@@ -575,20 +574,20 @@ class OSS(Optimizer):
         return sharded_entries.encode(self._shard.fragments(self.params), self._plan.rows)
 
     def sharded_state_template(self, saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
-        """Empty tensors, for ``dcp.load`` to fill, for the ``saved`` entries (shape and dtype by
-        key, as in :meth:`sharded_state_entries`) whose rows this rank owns now, frozen
-        parameters included."""
+        """Empty tensors, for ``dcp.load`` to fill, for the ``saved`` entries (shape and dtype by key, as in
+        :meth:`sharded_state_entries`) whose rows this rank owns now, frozen parameters included."""
         devices = {i: self._masters.offload or p.device for i, p in enumerate(self.params)}
         return sharded_entries.template(saved, self._shard.owned.rows, self._plan.rows, devices)
 
     def load_sharded_state_entries(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any],
-                                   param_groups: list[dict[str, Any]]) -> None:
-        """Load this rank's entries (filled from a template) and the saved hyperparameters.
+                                   param_groups: list[dict[str, Any]], entries: Mapping[str, Any] | None = None) -> None:
+        """Load this rank's entries (filled from a template), the saved hyperparameters and step count.
 
         Args:
             tensors: the filled template of :meth:`sharded_state_template`.
             values: every rank's non-tensor values, keyed as in :meth:`sharded_state_entries`.
             param_groups: the saved hyperparameters of every group (without ``params``).
+            entries: the saved :meth:`state_dict_entries` (``None``, or without a count: steps count from 0).
 
         Raises:
             ValueError: as :meth:`load_state_dict`, or the saved fragments cover only part of
@@ -597,4 +596,4 @@ class OSS(Optimizer):
         state = sharded_entries.decode(tensors, values, self._shard.owned.rows, self._plan.rows)
         whole = {i: s for i, s in state.items() if i not in self._shard.owned.split}
         check_state_fits(whole, {i: i for i in whole}, self.params)
-        self._install(state, param_groups)
+        self._install(state, param_groups, entries or {})
