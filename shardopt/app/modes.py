@@ -464,8 +464,14 @@ def _by_name(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
         raise ValueError(f"the checkpoint's optimizer state covers parameter ids "
                          f"{sorted(p for g in groups for p in g['params'])[:5]}..., not the model's {len(names)} "
                          "parameters; resume with the model that saved it")
-    return {"state": {names[i]: entry for i, entry in state["state"].items()},
+    return {**_beside(state), "state": {names[i]: entry for i, entry in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
+
+
+def _beside(state: dict[str, Any]) -> dict[str, Any]:
+    """The entries of an optimizer state dict beside ``state`` and ``param_groups`` (OSS's step
+    count: Note [saved step count] in shardopt.optim.delayed_update), carried through a relayout."""
+    return {k: v for k, v in state.items() if k not in ("state", "param_groups")}
 
 
 def _by_position(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -475,7 +481,7 @@ def _by_position(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any
     if unknown:
         raise ValueError(f"the checkpoint's optimizer state has parameters {unknown[:5]} that this model lacks; "
                          "resume with the model that saved it")
-    return {"state": {index[name]: entry for name, entry in state["state"].items()},
+    return {**_beside(state), "state": {index[name]: entry for name, entry in state["state"].items()},
             "param_groups": [{**g, "params": sorted(index[p] for p in g["params"])} for g in state["param_groups"]]}
 
 
