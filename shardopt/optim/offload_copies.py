@@ -109,11 +109,13 @@ class _Download:
 @dataclass
 class _StagedAdd:
     """A gradient downloaded into ``staged``, ``master``'s segment of the staging buffer, to be
-    added into ``target`` when it lands (Note [offload copies on a side stream], 2)."""
+    added into ``target`` when it lands (Note [offload copies on a side stream], 2); with
+    ``assign``, a gradient in another dtype than ``target``'s, cast into it (1)."""
 
     master: torch.Tensor
     target: torch.Tensor
     staged: torch.Tensor
+    assign: bool = False
 
 
 class Uploads:
@@ -197,13 +199,20 @@ class OffloadCopies:
         """Whether copies from and to ``device`` run on a copy stream (else synchronously)."""
         return self._ops_for(device).side is not None
 
-    def download(self, master: torch.Tensor, slot: torch.Tensor, grad: torch.Tensor) -> None:
+    def download(self, master: torch.Tensor, slot: torch.Tensor, grad: torch.Tensor,
+                 via: torch.Tensor | None = None) -> None:
         """Copy ``grad`` (on the device) into ``slot``, the host segment that is now ``master``'s
         gradient (1). The copy overwrites the segment, so a staged addition into it that has not
         landed (made before the gradient was dropped) is forgotten: done in order, it would have
-        been overwritten."""
+        been overwritten. With ``via`` (a host tensor in ``grad``'s dtype, for a gradient in
+        another dtype than ``slot``'s) the copy goes there and is cast into ``slot`` when it lands:
+        a copy to the host that casts goes through pageable memory and blocks the host."""
         self._staged = [a for a in self._staged if a.target is not slot]
-        self._issue(slot, grad)
+        if via is None:
+            self._issue(slot, grad)
+            return
+        self._issue(via, grad)
+        self._staged.append(_StagedAdd(master, slot, via, assign=True))
 
     def download_to_add(self, master: torch.Tensor, grad: torch.Tensor, staged: torch.Tensor) -> None:
         """Copy ``grad`` into ``staged`` (``master``'s segment of the staging buffer) and add it
@@ -243,7 +252,43 @@ class OffloadCopies:
         self._kept_bytes = 0
         staged, self._staged = self._staged, []
         for add in staged:
-            add.target.add_(add.staged)
+            if add.assign:
+                add.target.copy_(add.staged)
+            else:
+                add.target.add_(add.staged)
+
+    def land_grads(self) -> None:
+        """:meth:`land` while a copy into the host gradients (or an addition or cast waiting for
+        one) may be in flight, else nothing: for readers of the gradients, which the uploads in
+        flight do not change (ZeRO-1's gradients are still on the device then, and its fold lands)."""
+        if self._downloads or self._staged:
+            self.land()
+
+    @torch.no_grad()
+    def hand_back(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy host gradients back into device tensors after a step (5): ``(device tensor, host
+        gradient)``, a mirror's gradient into the tensor DDP had in ``param.grad``.
+
+        How it works: on the CPU each copy is synchronous, as before. Else ``C`` waits for the
+        current stream, the copies run on ``C`` and the current stream waits (on the device) for
+        the event after them at once, so what it does next with the tensors (the next backward
+        adding into them, a ``zero_``, freeing them) comes after; the host's next write to the
+        gradient buffer comes after a :meth:`land`, which covers them.
+        """
+        for device in dict.fromkeys(d.device for d, _ in copies):
+            mine = [(d, s) for d, s in copies if d.device == device]
+            ops = self._ops_for(device)
+            if ops.side is None:
+                for dst, src in mine:
+                    dst.copy_(src)
+                continue
+            ops.wait_stream(ops.side, ops.current())  # as an upload: nothing on the caller's stream still uses them
+            with ops.use(ops.side):
+                for dst, src in mine:
+                    ops.copy(dst, src)
+                event = ops.record_event(ops.side)
+            ops.wait_event(ops.current(), event)
+            self._last[device] = (ops, event)
 
     @torch.no_grad()
     def upload(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Uploads:
