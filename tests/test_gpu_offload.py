@@ -7,9 +7,10 @@ CUDA ones: not bit for bit). NCCL at world size 1, the one layout one GPU gives.
 The copies on a side stream (Note [offload copies on a side stream]): training with them equals
 training with blocking copies bit for bit (AdamW), and training without offload where the step's
 arithmetic rounds alike on both kernels (SGD at a power-of-two rate), at NCCL world size 1 and
-two gloo ranks sharing the GPU (the post-step gather waits per chunk there); and under
-``torch.cuda.set_sync_debug_mode("error")`` backward and step make no host sync but the one
-documented event wait per step (blocking copies, the control, are refused).
+two gloo ranks sharing the GPU (the post-step gather waits per chunk there), under
+ShardedDataParallel (ZeRO-2) and under DDP (ZeRO-1: the fold's downloads, a mirror's gradient
+handed back); and under ``torch.cuda.set_sync_debug_mode("error")`` backward and step make no
+host sync but the one documented event wait per step (blocking copies, the control, are refused).
 
 Not run on this project's CPU machines: written without a GPU, to be checked on the first
 session that has one.
@@ -17,11 +18,14 @@ session that has one.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardopt.optim.offload_copies as offload_copies
 from shardopt.nn import ShardedDataParallel
@@ -112,6 +116,7 @@ def test_a_model_that_does_not_fit_without_offload_trains_with_it() -> None:
 
 F32, BF16 = torch.float32, torch.bfloat16
 COPY_MODES = ("plain", "accumulate", "three", "carry", "delayed")
+ZERO1_COPY_MODES = ("plain", "accumulate", "no_sync", "carry", "clip", "delayed")
 SGD_EXACT: dict[str, Any] = {"lr": 2.0**-6}
 """SGD without momentum or decay at a power-of-two rate: p - lr * g rounds once, the same on CPU and
 CUDA kernels (an exact product, fused or not), so offload on and off agree bit for bit."""
@@ -124,9 +129,11 @@ def _mlp(dev: torch.device, dtype: torch.dtype) -> nn.Module:
 
 
 def _copy_run(rank: int, dev: torch.device, dtype: torch.dtype, mode: str, offload: str | None, copies: str,
-              optim: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> list[list[torch.Tensor]]:
-    """Five ZeRO-2 steps; ``copies="blocking"`` makes every offload copy synchronous (the path
-    before the copy stream). Returns the parameters (on the CPU) after each step."""
+              optim: type[torch.optim.Optimizer], kwargs: dict[str, Any],
+              stage: str = "zero2") -> list[list[torch.Tensor]]:
+    """Five steps under ShardedDataParallel (``stage="zero2"``) or DDP (``"zero1"``);
+    ``copies="blocking"`` makes every offload copy synchronous (the path before the copy stream).
+    Returns the parameters (on the CPU) after each step."""
     saved = offload_copies.copy_streams_for
     if copies == "blocking":
         offload_copies.copy_streams_for = lambda device: HostStreams()  # type: ignore[assignment]
@@ -134,19 +141,23 @@ def _copy_run(rank: int, dev: torch.device, dtype: torch.dtype, mode: str, offlo
         model = _mlp(dev, dtype)
         opt = OSS(model.parameters(), optim=optim, offload=offload, master_dtype=F32 if dtype != F32 else None,
                   delay_update_after=1 if mode == "delayed" and offload else None, **kwargs)
-        sdp = ShardedDataParallel(model, opt)
+        wrapped: nn.Module = DDP(model) if stage == "zero1" else ShardedDataParallel(model, opt)
         out = []
         for step in range(STEPS):
             if mode != "carry" or step % 2 == 0:
                 opt.zero_grad(set_to_none=step % 2 == 0)
-            for k in range({"accumulate": 2, "three": 3}.get(mode, 1)):
+            for k in range({"accumulate": 2, "three": 3, "no_sync": 2}.get(mode, 1)):
                 x = _batch(rank, 10 * step + k).to(dev, dtype)
-                sdp(x).float().pow(2).mean().backward()
+                with wrapped.no_sync() if mode == "no_sync" and k == 0 else contextlib.nullcontext():
+                    wrapped(x).float().pow(2).mean().backward()
+            if mode == "clip":
+                opt.clip_grad_norm(0.05)
             opt.step()
             out.append([p.detach().cpu() for p in model.parameters()])
         opt.finish_update()
         out.append([p.detach().cpu() for p in model.parameters()])
-        sdp.close()
+        if isinstance(wrapped, ShardedDataParallel):
+            wrapped.close()
         return out
     finally:
         offload_copies.copy_streams_for = saved  # type: ignore[assignment]
@@ -165,16 +176,17 @@ def _equal_runs(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> boo
 def _copies_exact(rank: int, world_size: int, backend: str) -> dict[str, bool]:
     dev = torch.device("cuda", rank if backend == "nccl" else 0)  # gloo ranks share GPU 0
     out: dict[str, bool] = {}
-    for dtype in (F32, BF16):
-        for mode in COPY_MODES:
-            side = _copy_run(rank, dev, dtype, mode, "cpu", "side", torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
-            blocking = _copy_run(rank, dev, dtype, mode, "cpu", "blocking", torch.optim.AdamW,
-                                 {"lr": 1e-2, "weight_decay": 0.1})
-            out[f"{dtype}/{mode}/side=blocking"] = _equal_runs(side, blocking)
-            if mode != "delayed":  # the delay changes the results by design
-                side = _copy_run(rank, dev, dtype, mode, "cpu", "side", torch.optim.SGD, SGD_EXACT)
-                plain = _copy_run(rank, dev, dtype, mode, None, "side", torch.optim.SGD, SGD_EXACT)
-                out[f"{dtype}/{mode}/side=offload-off"] = _equal_runs(side, plain)
+    adamw = {"lr": 1e-2, "weight_decay": 0.1}
+    for stage, modes in (("zero2", COPY_MODES), ("zero1", ZERO1_COPY_MODES)):
+        for dtype in (F32, BF16):
+            for mode in modes:
+                side = _copy_run(rank, dev, dtype, mode, "cpu", "side", torch.optim.AdamW, adamw, stage)
+                blocking = _copy_run(rank, dev, dtype, mode, "cpu", "blocking", torch.optim.AdamW, adamw, stage)
+                out[f"{stage}/{dtype}/{mode}/side=blocking"] = _equal_runs(side, blocking)
+                if mode not in ("delayed", "clip"):  # the delay changes the results by design; the norm's kernels differ
+                    side = _copy_run(rank, dev, dtype, mode, "cpu", "side", torch.optim.SGD, SGD_EXACT, stage)
+                    plain = _copy_run(rank, dev, dtype, mode, None, "side", torch.optim.SGD, SGD_EXACT, stage)
+                    out[f"{stage}/{dtype}/{mode}/side=offload-off"] = _equal_runs(side, plain)
     return out
 
 
@@ -205,20 +217,25 @@ def _host_syncs(rank: int, world_size: int) -> dict[str, Any]:
         for copies in ("side", "blocking"):
             if copies == "blocking":
                 offload_copies.copy_streams_for = lambda device: HostStreams()  # type: ignore[assignment]
-            for micro in (1, 2):  # 2: the second backward's gradients go through the staging buffer
-                model = _mlp(dev, BF16)
-                opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, master_dtype=F32, offload="cpu")
-                sdp = ShardedDataParallel(model, opt)
-                batches = [_batch(0, s).to(dev, BF16) for s in range(4 * micro)]
+            # zero2, micro 2: the second backward's gradients go through the staging buffer; zero1 (DDP):
+            # bf16 gradients through a pinned bf16 buffer, fp32 ones straight, a mirror's handed back
+            for stage, dtype, micro in (("zero2", BF16, 1), ("zero2", BF16, 2), ("zero1", BF16, 1), ("zero1", F32, 2)):
+                model = _mlp(dev, dtype)
+                opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2,
+                          master_dtype=F32 if dtype != F32 else None, offload="cpu")
+                wrapped: nn.Module = DDP(model) if stage == "zero1" else ShardedDataParallel(model, opt)
+                batches = [_batch(0, s).to(dev, dtype) for s in range(4 * micro)]
                 per_step, error = [], None
                 for step in range(4):
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=step % 2 == 0)
                     before = len(waits)
                     try:
                         if step >= 2:
                             torch.cuda.set_sync_debug_mode("error")
                         for k in range(micro):
-                            sdp(batches[micro * step + k]).float().pow(2).mean().backward()
+                            quiet = stage == "zero1" and k < micro - 1  # DDP: no_sync, then the reducing pass
+                            with wrapped.no_sync() if quiet else contextlib.nullcontext():
+                                wrapped(batches[micro * step + k]).float().pow(2).mean().backward()
                         opt.step()
                     except RuntimeError as exc:
                         error = str(exc)
@@ -226,7 +243,9 @@ def _host_syncs(rank: int, world_size: int) -> dict[str, Any]:
                     finally:
                         torch.cuda.set_sync_debug_mode(0)
                     per_step.append(len(waits) - before)
-                out[f"{copies}/{micro}"] = {"host_waits": per_step, "error": error}
+                out[f"{copies}/{stage}/{dtype}/{micro}"] = {"host_waits": per_step, "error": error}
+                if isinstance(wrapped, ShardedDataParallel):
+                    wrapped.close()
                 torch.cuda.synchronize()
     finally:
         CudaStreams.host_wait = original  # type: ignore[method-assign]
@@ -236,8 +255,8 @@ def _host_syncs(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_an_offloaded_step_waits_on_the_host_once_and_syncs_nowhere_else() -> None:
     out = run_ranks(_host_syncs, 1, backend="nccl", timeout_s=300)[0]
-    for micro in (1, 2):
-        side = out[f"side/{micro}"]
-        assert side["error"] is None and side["host_waits"] == [1, 1, 1, 1], (micro, side)
-        # the control: a synchronous copy to the host is what the debug mode refuses
-        assert out[f"blocking/{micro}"]["error"] is not None, out
+    for key, side in out.items():
+        if key.startswith("side/"):
+            assert side["error"] is None and side["host_waits"] == [1, 1, 1, 1], (key, side)
+        else:  # the control: a synchronous copy to the host is what the debug mode refuses
+            assert side["error"] is not None, (key, out)

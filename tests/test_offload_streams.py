@@ -6,12 +6,15 @@ the reduction stream ``R`` run at once, in host order, as the CPU does, but a co
 copy stream ``C`` only runs when something waits for it: the host (``host_wait``), or ``S0``/``R``
 (``wait_event``, ``wait_stream``), whose later work then sees it. So a reader that does not wait
 reads stale bytes, and the results differ from the blocking path's; a copy whose source was
-dropped before it ran is caught when it runs. The log of records, waits and copies is also
-checked per copy: for a download, an event recorded on the stream current when the gradient
+dropped before it ran is caught when it runs, and so is a download that casts (on a GPU that
+copy goes through pageable memory and blocks the host). The log of records, waits and copies is
+also checked per copy: for a download, an event recorded on the stream current when the gradient
 arrived, ``C`` waiting for it, the copy, an event on ``C``, and a host wait before any host
-reader or step; for an upload, ``C`` waiting for ``S0``, the copy, an event, and ``S0`` waiting
-(on the device) for it before the next forward. Training must equal the blocking path bit for
-bit, with ShardedDataParallel's own reductions in host order or on a simulated side stream.
+reader or step; for an upload, and for a mirror's gradient handed back to DDP's ``param.grad``,
+``C`` waiting for ``S0``, the copy, an event, and ``S0`` waiting (on the device) for it before
+the next forward. Training must equal the blocking path bit for bit, under ShardedDataParallel
+(ZeRO-2, its own reductions in host order or on a simulated side stream) and under DDP (ZeRO-1,
+whose gradients the fold downloads), with one host wait per step.
 :func:`test_the_simulation_catches_each_missing_wait` removes each wait and expects a failure.
 """
 
@@ -34,6 +37,7 @@ from shardopt import grad_norms
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.optim.flat_masters import FlatGroup
+from shardopt.optim.masters import MasterWeights
 from shardopt.streams import StreamOps
 from shardopt.testing import run_ranks
 from tests.helpers.masters import loss_of
@@ -44,6 +48,7 @@ pytestmark = pytest.mark.distributed
 F32, BF16 = torch.float32, torch.bfloat16
 STEPS = 4
 MODES = ("plain", "accumulate", "three", "drop", "carry", "no_sync", "clip", "scaler", "norms", "delayed")
+ZERO1_MODES = ("plain", "accumulate", "carry", "no_sync", "clip", "scaler", "norms", "delayed")
 
 
 # ---------------------------------------------------------------------- the simulated device
@@ -71,6 +76,7 @@ class SimDevice:
         self.log: list[tuple[Any, ...]] = []
         self.problems: list[str] = []
         self.host_storages: Callable[[], set[int]] = set
+        self.param_storages: Callable[[], set[int]] = set
 
     def run(self, position: int) -> None:
         """Run C's copies up to ``position`` (something waited for them)."""
@@ -90,9 +96,9 @@ class SimDevice:
         if name in ("host_step", "reader") and self.host_waited < len(self.queue):
             self.problems.append(f"{name}: the host did not wait for copies {self.host_waited + 1}..{len(self.queue)}")
         if name == "forward":
-            late = [at for kind, _, _, at in self.queue[self.ran:] if kind == "up"]
+            late = [at for kind, _, _, at in self.queue[self.ran:] if kind in ("up", "back")]
             if late:
-                self.problems.append(f"forward: uploads {late} not waited for")
+                self.problems.append(f"forward: uploads or hand-backs {late} not waited for")
 
 
 class SimStreams(StreamOps):
@@ -134,9 +140,14 @@ class SimStreams(StreamOps):
         if d.current != "C":
             dst.copy_(src)
             return
-        kind = "down" if dst.untyped_storage().data_ptr() in d.host_storages() else "up"
+        if src.untyped_storage().data_ptr() not in d.host_storages():
+            kind = "down"  # a device gradient to the host
+        else:  # a master into its parameter, or a mirror's gradient back into DDP's
+            kind = "up" if dst.untyped_storage().data_ptr() in d.param_storages() else "back"
         d.queue.append((kind, dst, weakref.ref(src), len(d.queue) + 1))
         d.log.append(("copy", kind, len(d.queue)))
+        if kind == "down" and dst.dtype != src.dtype:
+            d.problems.append(f"download {len(d.queue)} casts {src.dtype} to {dst.dtype} (through pageable memory)")
 
     @contextlib.contextmanager
     def use(self, stream: Any) -> Iterator[None]:
@@ -164,14 +175,15 @@ def order_problems(log: list[tuple[Any, ...]]) -> list[str]:
         if entry[0] != "copy":
             continue
         since = log[last_copy + 1 : k]
+        name = {"down": "download", "up": "upload", "back": "hand-back"}[entry[1]]
         if entry[1] == "down":  # an event on the producer, C waits for it, the copy, an event on C
             waited = [e[2] for e in since if e[0] == "wait_event" and e[1] == "C"]
             if not any(stream_of.get(n) not in (None, "C") for n in waited):
                 problems.append(f"download {entry[2]}: C did not wait for the stream that produced the gradient")
         elif not any(e == ("wait_stream", "C", "S0") for e in log[last_step + 1 : k]):
-            problems.append(f"upload {entry[2]}: C did not wait for S0 before overwriting the parameter")
+            problems.append(f"{name} {entry[2]}: C did not wait for S0 before overwriting its destination")
         if k + 1 >= len(log) or log[k + 1][:2] not in (("record", "C"), ("copy", entry[1])):
-            problems.append(f"{entry[1]}load {entry[2]}: no event recorded on C after it")
+            problems.append(f"{name} {entry[2]}: no event recorded on C after it")
         last_copy = k
     return problems
 
@@ -246,6 +258,7 @@ def _train(rank: int, config: Config, device: SimDevice | None) -> dict[str, Any
     undo = lambda: None  # noqa: E731
     if device is not None:
         device.host_storages = lambda: {t.untyped_storage().data_ptr() for t in opt.offloaded_buffers()}
+        device.param_storages = lambda: {p.untyped_storage().data_ptr() for p in model.parameters()}
         undo = _probes(device, model)
     scaler = ShardedGradScaler(init_scale=2.0**8, growth_interval=2, device="cpu") if mode == "scaler" else None
     out: dict[str, Any] = {"params": [], "norms": [], "host_waits": []}
@@ -287,7 +300,7 @@ def configs(world_size: int) -> list[Config]:
            for mode in MODES]
     out += [Config("zero2-whole", "side", BF16, mode) for mode in ("plain", "accumulate", "delayed")]
     out += [Config("zero2", "side", dtype, mode, "tiny") for dtype in (F32, BF16) for mode in ("plain", "three")]
-    out += [Config("zero1", "host", dtype, mode) for dtype in (F32, BF16) for mode in ("plain", "accumulate", "delayed")]
+    out += [Config("zero1", "host", dtype, mode) for dtype in (F32, BF16) for mode in ZERO1_MODES]
     return out
 
 
@@ -309,6 +322,7 @@ def _protocol(rank: int, world_size: int, selected: list[Config] | None = None) 
                     "problems": device.problems + order_problems(device.log),
                     "downloads": sum(1 for e in device.log if e[:2] == ("copy", "down")),
                     "uploads": sum(1 for e in device.log if e[:2] == ("copy", "up")),
+                    "hand_backs": sum(1 for e in device.log if e[:2] == ("copy", "back")),
                     "device_waits_on_c": sum(1 for e in device.log if e[0] == "wait_event" and e[1] != "C"
                                              and recorded_on(device.log).get(e[2]) == "C"),
                     "host_waits_per_step": [b - a for a, b in zip([0, *waits], waits, strict=False)]}
@@ -324,23 +338,32 @@ def test_offload_copies_on_a_side_stream_keep_the_protocol_and_change_no_result(
             assert r["same"], (rank, tag, r)
             assert r["problems"] == [], (rank, tag, r["problems"][:5])
             assert r["uploads"] > 0 and r["device_waits_on_c"] > 0, (rank, tag, r)  # every rank owns something
-            assert (r["downloads"] > 0) == (not tag.startswith("zero1")), (rank, tag, r)  # DDP's are folded at the step
+            assert r["downloads"] > 0, (rank, tag, r)  # DDP's gradients too, at the fold (ZeRO-1)
+            # a mirror's gradient goes back to DDP's param.grad (ZeRO-1, fp32); ShardedDataParallel's stays
+            assert (r["hand_backs"] > 0) == tag.startswith(f"zero1/host/{F32}"), (rank, tag, r)
             per_step = r["host_waits_per_step"]
             if "/three/" in tag:  # a third backward pass lands the second's staged gradients first
                 assert all(n in (1, 2) for n in per_step), (rank, tag, per_step)
-            else:  # the one documented host wait per step (DDP's first step has no copy in flight yet)
-                assert per_step == [0 if tag.startswith("zero1") else 1] + [1] * (STEPS - 1), (rank, tag, per_step)
+            else:  # the one documented host wait per step
+                assert per_step == [1] * STEPS, (rank, tag, per_step)
 
 
-MUTATIONS = {
-    "no host wait": (lambda: setattr(SimStreams, "host_wait", lambda self, event: None), 1),
-    "no wait before the gather sends": (lambda: setattr(offload_copies.Uploads, "wait_for", lambda self, params: None), 2),
-    "no wait before the next forward": (lambda: setattr(offload_copies.OffloadCopies, "join_uploads", lambda self: None), 1),
-    "no wait for the producer": (lambda: setattr(SimStreams, "wait_event", _skip_c_waits(SimStreams.wait_event)), 1),
-}
-"""Each removes one wait of the protocol (the last one in the simulation: the library still calls
-it) and the world size where its absence shows: the gather waits only where there is a gather,
-and the wait after it matters only where there is none."""
+def _without(method: Callable[..., Any], cut: Callable[[], Callable[[], None]]) -> Callable[..., Any]:
+    """``method`` run with ``cut()`` applied (it returns the undo): one wait removed inside one call."""
+    def mutated(*args: Any, **kwargs: Any) -> Any:
+        undo = cut()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            undo()
+
+    return mutated
+
+
+def _cut(owner: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    return lambda: setattr(owner, name, original)
 
 
 def _skip_c_waits(wait_event: Callable[..., None]) -> Callable[..., None]:
@@ -351,15 +374,51 @@ def _skip_c_waits(wait_event: Callable[..., None]) -> Callable[..., None]:
     return skipped
 
 
+def _skip_waits_on_c(wait_event: Callable[..., None]) -> Callable[..., None]:
+    def skipped(self: SimStreams, stream: Any, event: Any) -> None:
+        if stream == "C":
+            wait_event(self, stream, event)
+
+    return skipped
+
+
+ZERO1, ZERO2 = ("zero1/",), ("zero1/", "zero2/")
+MUTATIONS: dict[str, tuple[Callable[[], None], int, tuple[str, ...]]] = {
+    "no host wait": (lambda: setattr(SimStreams, "host_wait", lambda self, event: None), 1, ZERO2),
+    "no wait before the gather sends": (
+        lambda: setattr(offload_copies.Uploads, "wait_for", lambda self, params: None), 2, ZERO2),
+    "no wait before the next forward": (
+        lambda: setattr(offload_copies.OffloadCopies, "join_uploads", lambda self: None), 1, ZERO2),
+    "no wait for the producer": (lambda: setattr(SimStreams, "wait_event", _skip_c_waits(SimStreams.wait_event)), 1,
+                                 ZERO2),
+    "no land in the fold": (lambda: setattr(MasterWeights, "fold_grads", _without(
+        MasterWeights.fold_grads, lambda: _cut(offload_copies.OffloadCopies, "land", lambda self: None))), 1, ZERO2),
+    "no wait after the hand-back": (lambda: setattr(offload_copies.OffloadCopies, "hand_back", _without(
+        offload_copies.OffloadCopies.hand_back,
+        lambda: _cut(SimStreams, "wait_event", _skip_waits_on_c(SimStreams.wait_event)))), 1, ZERO1),
+    "a download that casts": (lambda: setattr(FlatGroup, "_cast_buffer", lambda self, grad: None), 1, ZERO1),
+}
+"""Each removes one wait of the protocol (the last one in the simulation: the library still calls
+it, or one call of the library runs without it), the world size where its absence shows (the
+gather waits only where there is a gather, and the wait after it matters only where there is
+none) and the stages (ZeRO-1 under DDP, ZeRO-2) where it must be caught. ``a download that
+casts`` makes bf16 gradients go to the fp32 gradient buffer in one copy. Without the wait after
+the hand-back, a step that uploads is still right (the gather's and the next forward's waits come
+later on ``C``); a delayed step, which uploads only at the next step, is not."""
+
+
 def _mutated(rank: int, world_size: int, mutation: str) -> dict[str, Any]:
     MUTATIONS[mutation][0]()
     selected = [Config("zero2", "side", BF16, "accumulate"), Config("zero2", "side", F32, "plain"),
-                Config("zero1", "host", BF16, "plain")]
+                Config("zero1", "host", BF16, "plain"), Config("zero1", "host", F32, "carry"),
+                Config("zero1", "host", F32, "delayed")]
     return _protocol(rank, world_size, selected)
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
 def test_the_simulation_catches_each_missing_wait(mutation: str) -> None:
-    results = run_ranks(_mutated, MUTATIONS[mutation][1], mutation, timeout_s=300)
+    _, world_size, stages = MUTATIONS[mutation]
+    results = run_ranks(_mutated, world_size, mutation, timeout_s=300)
     caught = [tag for out in results for tag, r in out.items() if not r["same"] or r["problems"]]
-    assert caught, f"removing the wait ({mutation}) went unnoticed"
+    for stage in stages:
+        assert any(tag.startswith(stage) for tag in caught), f"removing the wait ({mutation}) went unnoticed in {stage}"

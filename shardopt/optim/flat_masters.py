@@ -272,7 +272,8 @@ class FlatGroup:
             if copies is None:
                 slot.copy_(grad)
             else:
-                copies.download(master, slot, grad)
+                casts = grad.dtype != slot.dtype and copies.overlaps(grad.device)
+                copies.download(master, slot, grad, self._cast_buffer(grad) if casts else None)
         elif copies is not None and copies.overlaps(grad.device) and master.grad.device == self.data.device:
             copies.download_to_add(master, grad, self._staging_slot(index, grad))  # added on the host once landed
         elif master.grad is slot:
@@ -285,7 +286,7 @@ class FlatGroup:
         staging buffer (allocated at the first use, kept), or, for a gradient in another dtype than
         the masters', a tensor of its own, so that the addition rounds once, as the blocking one."""
         if grad.dtype != self.data.dtype:
-            return torch.empty(grad.shape, dtype=grad.dtype, device=self.data.device, pin_memory=self._pin)
+            return self._cast_buffer(grad)
         if self._staging is None:
             self._staging = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.data.device,
                                         pin_memory=self._pin)
@@ -293,6 +294,12 @@ class FlatGroup:
             self._staged_slots = {s.index: piece.view(s.shape)
                                   for s, piece in zip(self.segments.values(), pieces, strict=True)}
         return self._staged_slots[index]
+
+    def _cast_buffer(self, grad: torch.Tensor) -> torch.Tensor:
+        """A host tensor of ``grad``'s shape and dtype (pinned with the buffers) that a gradient in
+        another dtype than the masters' lands in before it is cast on the host (Note [offload
+        copies on a side stream] in :mod:`shardopt.optim.offload_copies`, 1)."""
+        return torch.empty(grad.shape, dtype=grad.dtype, device=self.data.device, pin_memory=self._pin)
 
     def choose_layout(self) -> bool:
         """Keep stepping :attr:`flat` when every aligned master has a gradient (or none has);

@@ -63,8 +63,8 @@ steps rather than freed (allocating and first touching 4 bytes per owned paramet
 ShardedDataParallel's copies to the host and the step's copies back run on a copy stream,
 overlapping backward and the gather, and the host waits for them once per step (Note [offload
 copies on a side stream] in :mod:`shardopt.optim.offload_copies`; written and checked on CPU
-ranks against a simulated device, not yet run on a GPU). DDP's gradients (ZeRO-1) are still
-copied blocking at the fold, and a mirror's handed back blocking after the step.
+ranks against a simulated device, not yet run on a GPU); so do DDP's gradients (ZeRO-1),
+copied at the fold, and a mirror's, handed back after the step.
 A mirror's gradient outlives the step as its parameter's would (Note [mirrors carry
 gradients]). A mirror holds nothing its parameter does not, so it is never saved: checkpoints keep
 today's keys and load with or without offload, and a mirror restarts from its parameter at a
@@ -310,9 +310,10 @@ class MasterWeights:
     def fold_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Add each parameter's ``.grad`` into its master's, in ``dtype``, and free it; every
         master's gradient ends in the gradient buffer (Note [master gradients]; Note [flat
-        masters] in :mod:`shardopt.optim.flat_masters`). Lands the copies to the host first: every
-        reader of the gradient buffer and the step run this (Note [offload copies on a side stream])."""
-        self.copies.land()
+        masters] in :mod:`shardopt.optim.flat_masters`). Lands the copies to the host: every reader
+        of the gradient buffer and the step run this. Offloaded masters of CUDA parameters take
+        DDP's gradients (ZeRO-1) on the copy stream, landed with the rest: one host wait (Note
+        [offload copies on a side stream] in :mod:`shardopt.optim.offload_copies`, 1 and 3)."""
         fresh: dict[FlatGroup, list[tuple[int, torch.Tensor]]] = {g: [] for g in self._groups}
         for i, master in self._masters.items():
             p = params[i]
@@ -325,11 +326,14 @@ class MasterWeights:
             if i in self._mirrors:  # DDP's gradient: given back after the step (Note [mirrors carry gradients])
                 self._lent[i] = grad
             grad = (grad if rows is None else grad[rows[0] : rows[1]]).detach()
-            if master.grad is None:
+            if self.offload is not None and self.copies.overlaps(grad.device):
+                self._group_of[i].add_grad(i, grad)  # on the copy stream; landed below
+            elif master.grad is None:
                 fresh[self._group_of[i]].append((i, grad))
-            else:
+            else:  # synchronous: nothing of this master's is in flight
                 master.grad.add_(grad.to(master.device))
             p.grad = None
+        self.copies.land()
         for group, grads in fresh.items():  # a gradient put elsewhere (ShardedDataParallel's sum) moves in too
             group.take_grads(grads)
 
@@ -362,19 +366,21 @@ class MasterWeights:
         :mod:`shardopt.optim.delayed_update`), but a mirror's: that one goes on as its
         parameter's would (Note [mirrors carry gradients])."""
         kept = set()
+        handed: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in self._mirrors:
             master, lent = self._masters[i], self._lent.get(i)
             if master.grad is None:
                 continue
             if lent is not None:  # back into DDP's gradient: the clipped, unscaled values, as DDP's own
                 rows = self._rows.get(i)
-                (lent if rows is None else lent[rows[0] : rows[1]]).copy_(master.grad)
+                handed.append((lent if rows is None else lent[rows[0] : rows[1]], master.grad))
                 params[i].grad = lent
             else:  # ShardedDataParallel's sum stays, behind a placeholder
                 kept.add(i)
                 if params[i].grad is None:
                     leave_placeholder(params[i])
         self._lent = {}
+        self.copies.hand_back(handed)  # on the copy stream on a GPU (Note [offload copies on a side stream], 5)
         for group in self._groups:
             group.free_grads(keep=kept)
 

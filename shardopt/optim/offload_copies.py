@@ -1,6 +1,7 @@
 """The host<->device copies of an offloaded OSS (``offload="cpu"`` over CUDA parameters): each
-reduced gradient down into its master's segment of the pinned gradient buffer, each updated
-master up into its parameter, on a copy stream, with one host wait per step.
+reduced gradient (ZeRO-2) or DDP's gradient at the fold (ZeRO-1) down into its master's segment
+of the pinned gradient buffer, each updated master up into its parameter, a mirror's gradient
+back into DDP's ``param.grad``, on a copy stream, with one host wait per step.
 
 :class:`~shardopt.optim.masters.MasterWeights` owns one :class:`OffloadCopies` for its life and
 hands it to its offloaded flat groups, which download through it
@@ -15,13 +16,18 @@ they overlap what the compute stream ``S0`` and ShardedDataParallel's reduction 
 do (Note [reductions on a side stream] in :mod:`shardopt.nn.data_parallel.streams`):
 
 1. download (``OSS.add_grad``, which ShardedDataParallel calls as each gradient is reduced,
-   with the stream ``P`` that produced it current: ``R`` on NCCL, else ``S0``): an event is
+   with the stream ``P`` that produced it current: ``R`` on NCCL, else ``S0``; under DDP,
+   ``MasterWeights.fold_grads`` at the step for each ``param.grad``, with ``P = S0``, on which
+   DDP's reduction finished at the end of backward): an event is
    recorded on ``P`` and ``C`` waits for it, the copy into the master's segment is issued on
    ``C`` (``non_blocking``; the host does not wait) and an event ``done`` is recorded on ``C``.
    The record keeps the device gradient until no stream can still read it: until the host
    waited (3), or, while more than :data:`COPY_BYTES_IN_FLIGHT` are kept, the oldest record's
    ``P`` waits for its ``done`` (on the device) and the record is dropped, so a block the
    allocator gives back to ``P`` is reused only after the copy read it. No ``record_stream``.
+   A gradient in another dtype than the buffer (DDP's bf16 gradient for an fp32 master) is
+   copied into a pinned tensor of its own dtype and cast into the segment on the host when it
+   lands (3): a copy to the host that casts goes through pageable memory, which blocks the host.
 2. accumulation (a gradient for a master that already has one in the buffer: several
    backward passes per step without ``no_sync``, or a mirror's gradient carried across a
    step): the gradient is downloaded as in (1) into the master's segment of a second pinned
@@ -34,12 +40,14 @@ do (Note [reductions on a side stream] in :mod:`shardopt.nn.data_parallel.stream
    one more host wait per backward pass from the third on.
 3. land: before the host reads the gradient buffer or writes a master, it waits for the last
    event recorded on ``C`` (``Event.synchronize``), then drops the kept gradients and adds
-   the staged ones. One wait covers every copy queued before it, both directions, since ``C``
-   runs them in order. Who lands: ``MasterWeights.fold_grads``, which the step, clipping
-   (``OSS.clip_grad_norm``, torch's ``clip_grad_norm_`` through the wrapper),
-   ``ShardedGradScaler.unscale_`` and ``OSS.collect_master_grads`` run first;
-   ``OSS.wait_for_grads`` (``grad_norms``); a load, a rebuild, and a master following an
-   outside write. So a step waits once, at its fold (or at clipping's, before it).
+   (or casts) the staged ones. One wait covers every copy queued before it, both directions,
+   since ``C`` runs them in order. Who lands: ``MasterWeights.fold_grads``, which the step,
+   clipping (``OSS.clip_grad_norm``, torch's ``clip_grad_norm_`` through the wrapper),
+   ``ShardedGradScaler.unscale_`` and ``OSS.collect_master_grads`` run first, after it issued
+   DDP's downloads (1), so under ZeRO-1 too the one wait covers the fold's copies and the last
+   step's uploads; ``OSS.wait_for_grads`` (``grad_norms``), only while a download is in flight
+   (uploads do not change a gradient); a load, a rebuild, and a master following an outside
+   write. So a step waits once, at its fold (or at clipping's, before it).
 4. upload (``MasterWeights.write_back``, after the host step): ``C`` waits for ``S0`` (the last
    forward and backward read the parameters), the masters are copied into their parameters
    on ``C`` in the order the post-step gather sends them, with an event after every
@@ -47,6 +55,13 @@ do (Note [reductions on a side stream] in :mod:`shardopt.nn.data_parallel.stream
    covering a chunk's parameters before it packs or sends them, and ``S0`` waits for the
    last one after the gather (one rank has no gather, and the next forward reads every
    parameter). The host goes on; its next write to a master comes after a land (3).
+5. hand-back (``MasterWeights.release_grads``, after the host step, before the upload; under
+   DDP only: Note [mirrors carry gradients] in :mod:`shardopt.optim.masters`): ``C`` waits for
+   ``S0``, each mirror's gradient is copied from the host buffer into the tensor DDP had in
+   ``param.grad``, an event is recorded on ``C`` and ``S0`` waits for it at once (on the
+   device), so the next backward's accumulation, a ``zero_`` or a free of that tensor comes
+   after the copy. Issued before the uploads, that wait does not hold ``S0`` behind them.
+   The host's next write to the gradient buffer comes after a land (3).
 
 With ``delay_update_after`` (Note [delayed update] in :mod:`shardopt.optim.delayed_update`)
 ``OSS.step`` first waits for the worker and uploads its update (4), then folds: the land there
@@ -109,11 +124,13 @@ class _Download:
 @dataclass
 class _StagedAdd:
     """A gradient downloaded into ``staged``, ``master``'s segment of the staging buffer, to be
-    added into ``target`` when it lands (Note [offload copies on a side stream], 2)."""
+    added into ``target`` when it lands (Note [offload copies on a side stream], 2); with
+    ``assign``, a gradient in another dtype than ``target``'s, cast into it (1)."""
 
     master: torch.Tensor
     target: torch.Tensor
     staged: torch.Tensor
+    assign: bool = False
 
 
 class Uploads:
@@ -197,13 +214,20 @@ class OffloadCopies:
         """Whether copies from and to ``device`` run on a copy stream (else synchronously)."""
         return self._ops_for(device).side is not None
 
-    def download(self, master: torch.Tensor, slot: torch.Tensor, grad: torch.Tensor) -> None:
+    def download(self, master: torch.Tensor, slot: torch.Tensor, grad: torch.Tensor,
+                 via: torch.Tensor | None = None) -> None:
         """Copy ``grad`` (on the device) into ``slot``, the host segment that is now ``master``'s
         gradient (1). The copy overwrites the segment, so a staged addition into it that has not
         landed (made before the gradient was dropped) is forgotten: done in order, it would have
-        been overwritten."""
+        been overwritten. With ``via`` (a host tensor in ``grad``'s dtype, for a gradient in
+        another dtype than ``slot``'s) the copy goes there and is cast into ``slot`` when it lands:
+        a copy to the host that casts goes through pageable memory and blocks the host."""
         self._staged = [a for a in self._staged if a.target is not slot]
-        self._issue(slot, grad)
+        if via is None:
+            self._issue(slot, grad)
+            return
+        self._issue(via, grad)
+        self._staged.append(_StagedAdd(master, slot, via, assign=True))
 
     def download_to_add(self, master: torch.Tensor, grad: torch.Tensor, staged: torch.Tensor) -> None:
         """Copy ``grad`` into ``staged`` (``master``'s segment of the staging buffer) and add it
@@ -243,7 +267,43 @@ class OffloadCopies:
         self._kept_bytes = 0
         staged, self._staged = self._staged, []
         for add in staged:
-            add.target.add_(add.staged)
+            if add.assign:
+                add.target.copy_(add.staged)
+            else:
+                add.target.add_(add.staged)
+
+    def land_grads(self) -> None:
+        """:meth:`land` while a copy into the host gradients (or an addition or cast waiting for
+        one) may be in flight, else nothing: for readers of the gradients, which the uploads in
+        flight do not change (ZeRO-1's gradients are still on the device then, and its fold lands)."""
+        if self._downloads or self._staged:
+            self.land()
+
+    @torch.no_grad()
+    def hand_back(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy host gradients back into device tensors after a step (5): ``(device tensor, host
+        gradient)``, a mirror's gradient into the tensor DDP had in ``param.grad``.
+
+        How it works: on the CPU each copy is synchronous, as before. Else ``C`` waits for the
+        current stream, the copies run on ``C`` and the current stream waits (on the device) for
+        the event after them at once, so what it does next with the tensors (the next backward
+        adding into them, a ``zero_``, freeing them) comes after; the host's next write to the
+        gradient buffer comes after a :meth:`land`, which covers them.
+        """
+        for device in dict.fromkeys(d.device for d, _ in copies):
+            mine = [(d, s) for d, s in copies if d.device == device]
+            ops = self._ops_for(device)
+            if ops.side is None:
+                for dst, src in mine:
+                    dst.copy_(src)
+                continue
+            ops.wait_stream(ops.side, ops.current())  # as an upload: nothing on the caller's stream still uses them
+            with ops.use(ops.side):
+                for dst, src in mine:
+                    ops.copy(dst, src)
+                event = ops.record_event(ops.side)
+            ops.wait_event(ops.current(), event)
+            self._last[device] = (ops, event)
 
     @torch.no_grad()
     def upload(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Uploads:

@@ -237,7 +237,7 @@ class OSS(Optimizer):
 
     def wait_for_grads(self) -> None:
         """Wait for the gradients copied to the host to land (Note [offload copies on a side stream]); else nothing."""
-        self._masters.copies.land()
+        self._masters.copies.land_grads()
 
     @property
     def delay_update_after(self) -> int | None:
