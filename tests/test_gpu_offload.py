@@ -10,7 +10,8 @@ arithmetic rounds alike on both kernels (SGD at a power-of-two rate), at NCCL wo
 two gloo ranks sharing the GPU (the post-step gather waits per chunk there), under
 ShardedDataParallel (ZeRO-2) and under DDP (ZeRO-1: the fold's downloads, a mirror's gradient
 handed back); and under ``torch.cuda.set_sync_debug_mode("error")`` backward and step make no
-host sync but the one documented event wait per step (blocking copies, the control, are refused).
+host sync but the one documented event wait per step (blocking copies, the control, are refused),
+and no copy on the copy stream casts (an fp32 master goes up through its bf16 rounding buffer).
 
 Not run on this project's CPU machines: written without a GPU, to be checked on the first
 session that has one.
@@ -210,7 +211,16 @@ def _host_syncs(rank: int, world_size: int) -> dict[str, Any]:
         waits.append(1)
         original(self, event)
 
+    casts: list[str] = []  # copies on the copy stream that cast (through pageable memory): none expected
+    original_copy = CudaStreams.copy
+
+    def checked(self: CudaStreams, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.dtype != src.dtype:
+            casts.append(f"{src.dtype}@{src.device} -> {dst.dtype}@{dst.device}")
+        original_copy(self, dst, src)
+
     CudaStreams.host_wait = counted  # type: ignore[method-assign]
+    CudaStreams.copy = checked  # type: ignore[method-assign]
     saved = offload_copies.copy_streams_for
     out: dict[str, Any] = {}
     try:
@@ -243,12 +253,14 @@ def _host_syncs(rank: int, world_size: int) -> dict[str, Any]:
                     finally:
                         torch.cuda.set_sync_debug_mode(0)
                     per_step.append(len(waits) - before)
-                out[f"{copies}/{stage}/{dtype}/{micro}"] = {"host_waits": per_step, "error": error}
+                out[f"{copies}/{stage}/{dtype}/{micro}"] = {"host_waits": per_step, "error": error, "casts": casts[:]}
+                casts.clear()
                 if isinstance(wrapped, ShardedDataParallel):
                     wrapped.close()
                 torch.cuda.synchronize()
     finally:
         CudaStreams.host_wait = original  # type: ignore[method-assign]
+        CudaStreams.copy = original_copy  # type: ignore[method-assign]
         offload_copies.copy_streams_for = saved  # type: ignore[assignment]
     return out
 
@@ -258,5 +270,6 @@ def test_an_offloaded_step_waits_on_the_host_once_and_syncs_nowhere_else() -> No
     for key, side in out.items():
         if key.startswith("side/"):
             assert side["error"] is None and side["host_waits"] == [1, 1, 1, 1], (key, side)
+            assert side["casts"] == [], (key, side)  # bf16 masters rounded on the host, bf16 gradients cast there
         else:  # the control: a synchronous copy to the host is what the debug mode refuses
             assert side["error"] is not None, (key, out)

@@ -6,8 +6,9 @@ the reduction stream ``R`` run at once, in host order, as the CPU does, but a co
 copy stream ``C`` only runs when something waits for it: the host (``host_wait``), or ``S0``/``R``
 (``wait_event``, ``wait_stream``), whose later work then sees it. So a reader that does not wait
 reads stale bytes, and the results differ from the blocking path's; a copy whose source was
-dropped before it ran is caught when it runs, and so is a download that casts (on a GPU that
-copy goes through pageable memory and blocks the host). The log of records, waits and copies is
+dropped before it ran is caught when it runs, and so is a download or an upload that casts (on a
+GPU that copy goes through pageable memory and blocks the host); an upload reads the buffer the
+host rounded its master into when it runs, so a rounding that overwrote it too early shows. The log of records, waits and copies is
 also checked per copy: for a download, an event recorded on the stream current when the gradient
 arrived, ``C`` waiting for it, the copy, an event on ``C``, and a host wait before any host
 reader or step; for an upload, and for a mirror's gradient handed back to DDP's ``param.grad``,
@@ -144,10 +145,17 @@ class SimStreams(StreamOps):
             kind = "down"  # a device gradient to the host
         else:  # a master into its parameter, or a mirror's gradient back into DDP's
             kind = "up" if dst.untyped_storage().data_ptr() in d.param_storages() else "back"
+        if kind == "up":  # the host wrote this source again (a master, or its rounding) before it waited for the last read
+            unwaited = [at for k, _, ref, at in d.queue[d.host_waited:] if k == "up" and (old := ref()) is not None
+                        and old.data_ptr() == src.data_ptr()]
+            if unwaited:
+                d.problems.append(f"upload {len(d.queue) + 1}: the host rewrote its source before upload {unwaited[-1]} "
+                                  "landed")
         d.queue.append((kind, dst, weakref.ref(src), len(d.queue) + 1))
         d.log.append(("copy", kind, len(d.queue)))
-        if kind == "down" and dst.dtype != src.dtype:
-            d.problems.append(f"download {len(d.queue)} casts {src.dtype} to {dst.dtype} (through pageable memory)")
+        if kind in ("down", "up") and dst.dtype != src.dtype:
+            name = {"down": "download", "up": "upload"}[kind]
+            d.problems.append(f"{name} {len(d.queue)} casts {src.dtype} to {dst.dtype} (through pageable memory)")
 
     @contextlib.contextmanager
     def use(self, stream: Any) -> Iterator[None]:
@@ -397,12 +405,14 @@ MUTATIONS: dict[str, tuple[Callable[[], None], int, tuple[str, ...]]] = {
         offload_copies.OffloadCopies.hand_back,
         lambda: _cut(SimStreams, "wait_event", _skip_waits_on_c(SimStreams.wait_event)))), 1, ZERO1),
     "a download that casts": (lambda: setattr(FlatGroup, "_cast_buffer", lambda self, grad: None), 1, ZERO1),
+    "an upload that casts": (lambda: setattr(MasterWeights, "_rounding", lambda self, index, param: None), 1, ZERO2),
 }
 """Each removes one wait of the protocol (the last one in the simulation: the library still calls
 it, or one call of the library runs without it), the world size where its absence shows (the
 gather waits only where there is a gather, and the wait after it matters only where there is
 none) and the stages (ZeRO-1 under DDP, ZeRO-2) where it must be caught. ``a download that
-casts`` makes bf16 gradients go to the fp32 gradient buffer in one copy. Without the wait after
+casts`` makes bf16 gradients go to the fp32 gradient buffer in one copy; ``an upload that casts``
+copies fp32 masters into bf16 parameters in one copy (the path before the rounding buffers). Without the wait after
 the hand-back, a step that uploads is still right (the gather's and the next forward's waits come
 later on ``C``); a delayed step, which uploads only at the next step, is not."""
 
@@ -422,3 +432,56 @@ def test_the_simulation_catches_each_missing_wait(mutation: str) -> None:
     caught = [tag for out in results for tag, r in out.items() if not r["same"] or r["problems"]]
     for stage in stages:
         assert any(tag.startswith(stage) for tag in caught), f"removing the wait ({mutation}) went unnoticed in {stage}"
+
+
+def _upload_twice(guarded: bool) -> tuple[list[str], torch.Tensor, int]:
+    """Two uploads of a master into its bf16 parameter through one rounding buffer, with no land
+    between (the library's order always lands in between: the fold, a load or a rebuild)."""
+    device, saved = SimDevice(), offload_copies.copy_streams_for
+    offload_copies.copy_streams_for = lambda _: SimStreams(device, "C")  # type: ignore[assignment]
+    param, master = torch.zeros(64, dtype=BF16), torch.full((64,), 1.0 + 2**-9, dtype=F32)
+    via = torch.empty(64, dtype=BF16)
+    device.host_storages = lambda: {master.untyped_storage().data_ptr(), via.untyped_storage().data_ptr()}
+    device.param_storages = lambda: {param.untyped_storage().data_ptr()}
+    copies = offload_copies.OffloadCopies()
+    try:
+        copies.upload([(param, param, master, via)])
+        master.fill_(3.0)  # as a step would, had it not landed first
+        if not guarded:
+            copies._rounded_unlanded = False
+        copies.upload([(param, param, master, via)])
+        copies.join_uploads()
+    finally:
+        offload_copies.copy_streams_for = saved  # type: ignore[assignment]
+    return device.problems, param, sum(1 for e in device.log if e[0] == "host_wait")
+
+
+def test_an_upload_waits_for_the_last_one_before_it_rounds_into_the_same_buffer() -> None:
+    problems, param, host_waits = _upload_twice(guarded=True)
+    assert problems == [] and host_waits == 1 and torch.equal(param, torch.full((64,), 3.0, dtype=BF16))
+    problems, _, host_waits = _upload_twice(guarded=False)  # the guard removed: the simulation sees the rewrite
+    assert host_waits == 0 and any("rewrote its source" in p for p in problems), problems
+
+
+def _rne_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 round to nearest, ties to even, on the bits (what the CUDA cast, ``__float2bfloat16``,
+    computes for every non-NaN value): add 0x7FFF plus the kept part's lowest bit, drop the low 16."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.to(torch.int32).to(torch.int16).view(BF16)  # wraps into int16's range: the same 16 bits
+
+
+@pytest.mark.parametrize("numel", [15, 4096])
+def test_the_host_rounds_fp32_to_bf16_to_nearest_even_as_the_device_cast(numel: int) -> None:
+    """Note [offload copies on a side stream], 4: the host rounding (``Tensor.copy_`` on the CPU, the
+    scalar tail and the vector body) gives the bits the device cast gives, for every upper half of an
+    fp32 word (every sign, exponent, subnormals, infinities) under low halves around the tie."""
+    high = torch.arange(2**16, dtype=torch.int64) << 16
+    low = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1234, 0xC000], dtype=torch.int64)
+    words = (high[:, None] | low[None, :]).reshape(-1).to(torch.int32)  # int64 -> int32 wraps: the same 32 bits
+    values = words.view(F32)
+    finite = ~values.isnan()
+    for chunk in values[finite].split(numel):
+        got = torch.empty(chunk.shape, dtype=BF16).copy_(chunk)
+        assert torch.equal(got.view(torch.int16), _rne_bf16(chunk).view(torch.int16)), chunk
+    assert torch.empty(values.shape, dtype=BF16).copy_(values)[~finite].isnan().all()  # NaN stays NaN (payload may differ)

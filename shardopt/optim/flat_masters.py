@@ -181,6 +181,7 @@ class FlatGroup:
         self._step_grad: torch.Tensor | None = None  # the step's own copy of _grad (Note [delayed update])
         self._staging: torch.Tensor | None = None  # accumulations' landing place (Note [offload copies on a side stream])
         self._staged_slots: dict[int, torch.Tensor] = {}
+        self._rounded: dict[torch.dtype, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}  # uploads' sources (4)
 
     def _empty(self, numel: int, device: torch.device, dtype: torch.dtype, slot: int) -> torch.Tensor:
         """A buffer of the group: in pageable host memory placed for the host step (Note [host
@@ -214,11 +215,13 @@ class FlatGroup:
 
     def host_buffers(self) -> list[torch.Tensor]:
         """The buffers of an offloaded group that exist now: the masters, their gradients, the
-        delayed step's copy of those and the staging buffer of accumulations (Note [offload
-        copies on a side stream] in :mod:`shardopt.optim.offload_copies`); ``[]`` on the device."""
+        delayed step's copy of those, the staging buffer of accumulations and the buffers the
+        masters are rounded into before their upload (Note [offload copies on a side stream] in
+        :mod:`shardopt.optim.offload_copies`, 2 and 4); ``[]`` on the device."""
         if not self.host:
             return []
-        return [t for t in (self.data, self._grad, self._step_grad, self._staging) if t is not None]
+        rounded = [buffer for buffer, _ in self._rounded.values()]
+        return [t for t in (self.data, self._grad, self._step_grad, self._staging, *rounded) if t is not None]
 
     def stepped_flat(self, index: int) -> bool:
         """Whether the optimizer steps ``params[index]``'s master as part of :attr:`flat` now."""
@@ -300,6 +303,21 @@ class FlatGroup:
         another dtype than the masters' lands in before it is cast on the host (Note [offload
         copies on a side stream] in :mod:`shardopt.optim.offload_copies`, 1)."""
         return torch.empty(grad.shape, dtype=grad.dtype, device=self.data.device, pin_memory=self._pin)
+
+    def upload_source(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where ``params[index]``'s master is rounded to ``dtype`` (its parameter's) on the host
+        before its upload: its segment of a host buffer of the group in ``dtype`` (pinned with the
+        buffers), allocated at the first use and kept, so that the copy to the device moves the
+        parameter's bytes without a cast (Note [offload copies on a side stream] in
+        :mod:`shardopt.optim.offload_copies`, 4). One buffer per dtype asked for: one in a bf16 or
+        fp16 model; a mirror's segment in it stays unused."""
+        found = self._rounded.get(dtype)
+        if found is None:
+            buffer = torch.empty(self.data.shape, dtype=dtype, device=self.data.device, pin_memory=self._pin)
+            pieces = buffer.split_with_sizes([s.numel for s in self.segments.values()])
+            found = self._rounded[dtype] = (buffer, {s.index: piece.view(s.shape)
+                                                     for s, piece in zip(self.segments.values(), pieces, strict=True)})
+        return found[1][index]
 
     def choose_layout(self) -> bool:
         """Keep stepping :attr:`flat` when every aligned master has a gradient (or none has);

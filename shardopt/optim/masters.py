@@ -354,11 +354,20 @@ class MasterWeights:
             if self.offload is None:
                 torch._foreach_copy_(targets, [self._masters[i] for i in indices])
             else:
-                uploads = self.copies.upload([(params[i], t, self._masters[i]) for i, t in zip(indices, targets,
-                                                                                                strict=True)])
+                uploads = self.copies.upload([(params[i], t, self._masters[i], self._rounding(i, params[i]))
+                                              for i, t in zip(indices, targets, strict=True)])
         for i in self._masters:
             self._agreed[i] = params[i]._version
         return uploads
+
+    def _rounding(self, index: int, param: torch.Tensor) -> torch.Tensor | None:
+        """Where the master of ``params[index]`` is rounded on the host before a copy to the device
+        that would cast (a master of a CUDA parameter in another dtype), else ``None`` (a mirror, or a
+        synchronous copy on the CPU, as before): Note [offload copies on a side stream], 4."""
+        master = self._masters[index]
+        if master.dtype == param.dtype or not self.copies.overlaps(param.device):
+            return None
+        return self._group_of[index].upload_source(index, param.dtype)
 
     @torch.no_grad()
     def release_grads(self, params: Sequence[torch.Tensor]) -> None:

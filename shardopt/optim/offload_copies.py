@@ -54,7 +54,19 @@ do (Note [reductions on a side stream] in :mod:`shardopt.nn.data_parallel.stream
    :data:`UPLOAD_EVENT_BYTES`; the gather makes ``S0`` wait (on the device) for the event
    covering a chunk's parameters before it packs or sends them, and ``S0`` waits for the
    last one after the gather (one rank has no gather, and the next forward reads every
-   parameter). The host goes on; its next write to a master comes after a land (3).
+   parameter). A master in another dtype than its parameter (fp32 for bf16 or fp16) is first
+   rounded on the host into its segment of a pinned buffer in the parameter's dtype
+   (``FlatGroup.upload_source``: one per flat group, allocated at the first upload and kept),
+   which is then copied without a cast: a copy to the device that casts goes through a
+   pageable temporary (ATen's ``Copy.cu``) and blocks the host per parameter, and moves 4
+   bytes per element, not 2. ``Tensor.copy_`` on the CPU rounds fp32 to bf16 to nearest even,
+   as the device's cast (``__float2bfloat16``): the same bits for every non-NaN value, scalar
+   tail and vector body alike (checked against the rounding on the bits in
+   ``tests/test_offload_streams.py``; a NaN stays NaN, its payload may differ). fp16 rounds
+   to nearest even on both too. The host goes on; its next write to a master, and to the
+   rounding buffer, comes after a land (3): the step's fold (or, delayed, the next step's, after
+   the upload of the worker's update), a load, a rebuild. An upload that finds an earlier
+   rounded one not landed lands first (one host wait; never in that order).
 5. hand-back (``MasterWeights.release_grads``, after the host step, before the upload; under
    DDP only: Note [mirrors carry gradients] in :mod:`shardopt.optim.masters`): ``C`` waits for
    ``S0``, each mirror's gradient is copied from the host buffer into the tensor DDP had in
@@ -203,6 +215,7 @@ class OffloadCopies:
         self._staged: list[_StagedAdd] = []
         self._last: dict[torch.device, tuple[StreamOps, Any]] = {}  # per device: the last event on C, until landed
         self._uploads = Uploads()
+        self._rounded_unlanded = False  # an upload from a rounding buffer may be in flight (4)
 
     def _ops_for(self, device: torch.device) -> StreamOps:
         ops = self._ops.get(device)
@@ -263,6 +276,7 @@ class OffloadCopies:
         for ops, event in self._last.values():
             ops.host_wait(event)  # Note [offload copies on a side stream], 3: the step's one host wait
         self._last.clear()
+        self._rounded_unlanded = False
         self._downloads.clear()
         self._kept_bytes = 0
         staged, self._staged = self._staged, []
@@ -306,31 +320,42 @@ class OffloadCopies:
             self._last[device] = (ops, event)
 
     @torch.no_grad()
-    def upload(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Uploads:
+    def upload(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> Uploads:
         """Copy masters into their parameters after a step (4), in the order given.
 
         Args:
-            copies: ``(param, target, master)``: the parameter, what the master is copied into
-                (the parameter, or its owned rows) and the host master.
+            copies: ``(param, target, master, via)``: the parameter, what the master is copied into
+                (the parameter, or its owned rows), the host master and, for a master in another
+                dtype than ``target``'s copied on a copy stream, a host tensor in ``target``'s dtype
+                that the master is rounded into on the host first (else ``None``): a copy to the
+                device that casts goes through pageable memory and blocks the host.
 
         Returns:
             What the gather and :meth:`join_uploads` wait for (empty when every copy was synchronous).
         """
-        synchronous = [(t, m) for p, t, m in copies if not self.overlaps(p.device)]
+        synchronous = [(t, m) for p, t, m, _ in copies if not self.overlaps(p.device)]
         if synchronous:
             torch._foreach_copy_([t for t, _ in synchronous], [m for _, m in synchronous])
         uploads = Uploads()
-        for device in dict.fromkeys(p.device for p, _, _ in copies if self.overlaps(p.device)):
+        overlapped = [c for c in copies if self.overlaps(c[0].device)]
+        if self._rounded_unlanded and any(via is not None for *_, via in overlapped):
+            self.land()  # the last upload may still read the rounding buffers; the step's land came first (4)
+        for device in dict.fromkeys(p.device for p, *_ in overlapped):
             ops = self._ops_for(device)
             ops.wait_stream(ops.side, ops.current())  # the last forward and backward read the parameters
-            mine = [c for c in copies if c[0].device == device]
+            mine = [c for c in overlapped if c[0].device == device]
             covered: list[torch.Tensor] = []
             size = 0
             with ops.use(ops.side):
-                for k, (param, target, master) in enumerate(mine):
-                    ops.copy(target, master)
+                for k, (param, target, master, via) in enumerate(mine):
+                    if via is not None:  # rounded on the host as the device would cast: Note [offload copies on a side stream], 4
+                        self._rounded_unlanded = True
+                        source = via.copy_(master)
+                    else:
+                        source = master
+                    ops.copy(target, source)
                     covered.append(param)
-                    size += master.numel() * master.element_size()
+                    size += source.numel() * source.element_size()
                     if size >= UPLOAD_EVENT_BYTES or k == len(mine) - 1:
                         event = ops.record_event(ops.side)
                         uploads.add(ops, covered, event)
