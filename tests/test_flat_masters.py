@@ -1,8 +1,9 @@
 """Flat master buffers (Note [flat masters] in shardopt.optim.flat_masters): the flat step
 equals today's per-parameter masters bit for bit (parameters, masters and every optimizer
 state tensor), a group falls back to per-parameter views exactly when some of its masters
-have no gradient, checkpoints keep one entry per parameter, and the optimizer's kernels per
-step do not grow with the number of parameters.
+have no gradient, checkpoints keep one entry per parameter, the optimizer's kernels per
+step do not grow with the number of parameters, and ShardedDataParallel's reduced gradients
+land in the gradient buffer in one copy per bucket (Note [one copy per bucket]).
 
 The reference is :class:`~tests.helpers.masters.MasterReference`: one fp32 master tensor per
 parameter under the same torch optimizer, stepped on the same reduced gradients (DDP's own
@@ -26,7 +27,7 @@ from shardopt import checkpoint, comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
-from tests.helpers.kernels import optimizer_kernels
+from tests.helpers.kernels import optimizer_kernels, writes_into
 from tests.helpers.masters import MasterReference, loss_of, sdp_reduce
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -367,3 +368,45 @@ def test_optimizer_kernels_per_step_do_not_grow_with_the_number_of_parameters() 
         assert flat8 == flat64 > 0, (opt_name, flat8, flat64)
         # The counter sees per-tensor work: the per-parameter layout grows with the layers.
         assert per64 > per8 and per64 > flat64, (opt_name, per8, per64)
+
+
+def _landing_writes(rank: int, world_size: int) -> dict[str, Any]:
+    """Writes into the masters' gradient buffer per backward pass under ShardedDataParallel, for
+    models of 8 and 64 layers (every parameter aligned), in one bucket and in buckets of 3 layers."""
+    out: dict[str, Any] = {}
+    for offload in (None, "cpu"):
+        for cap in (2**23, 3 * (64 * 64 + 64)):
+            for layers in (8, 64):
+                model = _deep(layers)
+                opt = OSS(model.parameters(), optim=torch.optim.Adam, master_dtype=F32, offload=offload, lr=1e-2)
+                sdp = ShardedDataParallel(model, opt, reduce_buffer_size=cap)
+
+                def master_grads() -> list[torch.Tensor]:
+                    found = (opt.master_of(p) for p in model.parameters())
+                    return [m.grad for m in found if m is not None and m.grad is not None]
+
+                counts = []
+                for step in range(2):
+                    opt.zero_grad()
+                    for k in range(2):  # the second backward pass adds to the first (no no_sync)
+                        torch.manual_seed(100 * rank + 10 * step + k)
+                        loss = sdp(torch.randn(4, 64).to(BF16)).float().pow(2).mean()
+                        counts.append(writes_into(loss.backward, master_grads))
+                    opt.step()
+                buckets = -(-layers // 3) if cap < 2**23 else 1
+                out[f"{offload}/{'one bucket' if cap == 2**23 else 'buckets'}/{layers}"] = (counts, buckets)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reduced_gradients_land_in_one_copy_per_bucket_not_one_per_parameter(world_size: int) -> None:
+    results = run_ranks(_landing_writes, world_size, timeout_s=240)
+    print(f"\nwrites into the master gradient buffer per backward pass, rank 0: {results[0]}")
+    for rank, result in enumerate(results):
+        for tag, (counts, buckets) in result.items():
+            # Note [one copy per bucket]: each bucket's owned part is one run of the buffer, so one copy (first
+            # backward pass) or one addition (second) per bucket whatever the layers; one per parameter would
+            # give this rank's share of 16 or 128 parameters.
+            assert all(1 <= c <= buckets for c in counts), (rank, tag, counts, buckets)
+            if buckets == 1:
+                assert counts == [1] * len(counts), (rank, tag, counts)

@@ -33,6 +33,21 @@ multiple of 64; the others are stepped as their own views. Over aligned segments
 step matched the per-parameter one on every element for every optimizer of
 :data:`~shardopt.optim.elementwise.ELEMENTWISE_OPTIMIZERS` measured (the same conditions).
 
+Note [one copy per bucket]
+ShardedDataParallel hands the owner its reduced gradients a bucket at a time (``OSS.add_grads``).
+The owner's part of a bucket holds them end to end in parameter order (Note [reduce to owner]
+in :mod:`shardopt.nn.data_parallel.grad_buckets`), and a group's buffer holds its masters'
+segments in parameter order too, aligned ones first (Note [aligned segments]). So the owned
+aligned parameters of one bucket are usually one range of the bucket and one range of the
+buffer, and they land in one copy (masters without a gradient yet), or, accumulating across
+backward passes, one addition (an elementwise fp32 addition rounds each element once however
+the tensors are cut, so the sums are the same bits). A run ends at a parameter that is not
+aligned (its segment sits after the flat ones), at a bucket's end, where a master has a
+gradient and its neighbour has none, or where the gradient must be cast; the rest land one
+at a time, as before. On a GPU an offloaded group's run is one copy on the copy stream (Note
+[offload copies on a side stream] in :mod:`shardopt.optim.offload_copies`); its additions
+go through the staging buffer one parameter at a time.
+
 Note [flat state falls back to views]
 A torch optimizer skips a parameter whose ``.grad`` is ``None`` (no step count, no moment
 decay, no weight decay), and keeps a step count per parameter. A flat tensor cannot skip
@@ -283,6 +298,68 @@ class FlatGroup:
             slot.add_(grad.to(slot.device))
         else:  # a gradient put there from outside: it moves into the buffer at the step (take_grads)
             master.grad.add_(grad.to(master.grad.device))
+
+    def add_grads(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """:meth:`add_grad` of each ``(index, gradient)`` in turn, but one copy into the buffer
+        (or one addition to it) for each run of them that lies end to end both in one source
+        storage and in the buffer (Note [one copy per bucket]). Call under ``torch.no_grad()``."""
+        run: list[tuple[int, torch.Tensor]] = []
+        kind: str | None = None
+        for index, grad in grads:
+            joins = self._joins_runs(index, grad)
+            if run and (joins != kind or not self._follows(run[-1], index, grad)):
+                self._add_run(run, kind)
+                run = []
+            if joins is None:
+                self.add_grad(index, grad)
+            else:
+                run.append((index, grad))
+                kind = joins
+        if run:
+            self._add_run(run, kind)
+
+    def _joins_runs(self, index: int, grad: torch.Tensor) -> str | None:
+        """How ``grad`` for ``params[index]`` may share one operation with its neighbours: ``"copy"``
+        (the master has no gradient yet), ``"add"`` (it has one in its segment, added to
+        synchronously), or ``None`` (a cast, a gradient put elsewhere, a staged addition)."""
+        if grad.dtype != self.data.dtype or not grad.is_contiguous():
+            return None
+        master = self.masters[index]
+        if master.grad is None:
+            return "copy"
+        if self.has_grad(index) and (self._copies is None or not self._copies.overlaps(grad.device)):
+            return "add"
+        return None
+
+    def _follows(self, last: tuple[int, torch.Tensor], index: int, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` for ``params[index]`` starts where ``last`` ends, in its storage and in the buffer."""
+        last_index, last_grad = last
+        before, segment = self.segments[last_index], self.segments[index]
+        return (before.offset + before.numel == segment.offset and grad.device == last_grad.device
+                and grad.storage_offset() == last_grad.storage_offset() + last_grad.numel()
+                and grad.untyped_storage().data_ptr() == last_grad.untyped_storage().data_ptr())
+
+    def _add_run(self, run: Sequence[tuple[int, torch.Tensor]], kind: str | None) -> None:
+        """Copy (``kind == "copy"``) or add the gradients of ``run`` into their segments in one operation."""
+        if len(run) == 1:
+            self.add_grad(*run[0])
+            return
+        first_index, first = run[0]
+        numel = sum(grad.numel() for _, grad in run)
+        slots = self._slots_now()
+        assert self._grad is not None
+        start = self.segments[first_index].offset
+        target = self._grad[start : start + numel]
+        source = first.as_strided((numel,), (1,), first.storage_offset())  # the run, end to end (_follows)
+        if kind == "add":
+            target.add_(source.to(target.device))  # each element rounds once, as in its own addition
+            return
+        for index, _ in run:
+            self.masters[index].grad = slots[index]
+        if self._copies is None:
+            target.copy_(source)
+        else:
+            self._copies.download_run([slots[index] for index, _ in run], target, source)
 
     def _staging_slot(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """Where ``grad`` for ``params[index]`` lands before it is added: the master's segment of the

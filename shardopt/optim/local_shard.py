@@ -311,16 +311,21 @@ class LocalShard:
         delay.launch(lambda: self.run_step(step))
 
     @torch.no_grad()
-    def add_grad(self, index: int, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` (this rank's rows of ``params[index]``'s gradient) to the gradient the
-        step reads: into its master's segment of the gradient buffer (Note [flat masters] in
-        :mod:`shardopt.optim.flat_masters`), else to its holder's ``.grad``."""
-        flat_group = self.masters.group_of(index)
-        if flat_group is not None:
-            flat_group.add_grad(index, grad)
-            return
-        holder = self.holder(index, param)
-        holder.grad = grad if holder.grad is None else holder.grad.add_(grad)
+    def add_grads(self, grads: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Add each ``(index, param, grad)`` (this rank's rows of ``params[index]``'s gradient) to the
+        gradient the step reads: into its master's segment of the gradient buffer, those of one
+        group together (Note [one copy per bucket] in :mod:`shardopt.optim.flat_masters`), else to
+        its holder's ``.grad``."""
+        by_group: dict[FlatGroup, list[tuple[int, torch.Tensor]]] = {}
+        for index, param, grad in grads:
+            flat_group = self.masters.group_of(index)
+            if flat_group is not None:
+                by_group.setdefault(flat_group, []).append((index, grad))
+                continue
+            holder = self.holder(index, param)
+            holder.grad = grad if holder.grad is None else holder.grad.add_(grad)
+        for flat_group, in_group in by_group.items():
+            flat_group.add_grads(in_group)
 
     def release_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Drop the masters' gradients once the step has them (a mirror's goes on: Note [mirrors carry

@@ -242,6 +242,14 @@ class OffloadCopies:
         self._issue(via, grad)
         self._staged.append(_StagedAdd(master, slot, via, assign=True))
 
+    def download_run(self, slots: Sequence[torch.Tensor], target: torch.Tensor, grad: torch.Tensor) -> None:
+        """:meth:`download` of several gradients in one copy: ``grad`` (on the device) into ``target``,
+        the host range made of ``slots`` end to end, each now a master's gradient (Note [one copy per
+        bucket] in :mod:`shardopt.optim.flat_masters`)."""
+        covered = {id(slot) for slot in slots}
+        self._staged = [a for a in self._staged if id(a.target) not in covered]
+        self._issue(target, grad)
+
     def download_to_add(self, master: torch.Tensor, grad: torch.Tensor, staged: torch.Tensor) -> None:
         """Copy ``grad`` into ``staged`` (``master``'s segment of the staging buffer) and add it
         into ``master.grad`` when it lands (2); lands first if ``master`` has one waiting."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -221,10 +221,15 @@ class OSS(Optimizer):
         return self._shard.holder(index, param)
 
     def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` (this rank's rows of ``param``'s reduced gradient) to what the step reads: a master's
-        gradient in its buffer in one copy (to the host under offload, on a copy stream on a GPU: Note [offload
-        copies on a side stream] in :mod:`shardopt.optim.offload_copies`), else :meth:`grad_holder`'s ``.grad``."""
-        self._shard.add_grad(self._index_of[param], param, grad)
+        """:meth:`add_grads` of one gradient."""
+        self.add_grads([(param, grad)])
+
+    def add_grads(self, grads: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add each ``(param, grad)`` (this rank's rows of ``param``'s reduced gradient) to what the step reads:
+        masters' gradients into their buffer in one copy per run that lies end to end in ``grad``'s storage and in
+        the buffer (Note [one copy per bucket] in :mod:`shardopt.optim.flat_masters`; to the host under offload, on a
+        copy stream on a GPU: Note [offload copies on a side stream]), else into :meth:`grad_holder`'s ``.grad``."""
+        self._shard.add_grads([(self._index_of[param], param, grad) for param, grad in grads])
 
     @property
     def offload(self) -> str | None:
@@ -250,22 +255,17 @@ class OSS(Optimizer):
         return self._masters.dtype
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The master weight of ``param`` if this rank keeps one (it owns the trainable
-        parameter and ``master_dtype`` is wider than it), else ``None``.
-
-        The optimizer steps the master; its ``.grad`` is the gradient the step uses (Note
-        [master gradients] in :mod:`shardopt.optim.masters`). Do not replace the tensor.
-        """
+        """The master weight of ``param`` if this rank keeps one (it owns the trainable parameter and ``master_dtype``
+        is wider than it), else ``None``. The optimizer steps the master; its ``.grad`` is the gradient the step uses
+        (Note [master gradients] in :mod:`shardopt.optim.masters`). Do not replace the tensor."""
         index = self._index_of.get(param)
         return None if index is None else self._masters.get(index)
 
     def collect_master_grads(self) -> None:
-        """Fold every owned parameter's ``.grad`` into its master's fp32 ``.grad`` and free it.
-
-        The step does it itself; ``ShardedGradScaler.unscale_`` and :meth:`clip_grad_norm` call it first to work on
-        fp32 gradients (Note [master gradients] in shardopt.optim.masters), landed first (:meth:`wait_for_grads`).
-        Local: no collective. Without masters it does nothing.
-        """
+        """Fold every owned parameter's ``.grad`` into its master's fp32 ``.grad`` and free it. The step does it
+        itself; ``ShardedGradScaler.unscale_`` and :meth:`clip_grad_norm` call it first to work on fp32 gradients
+        (Note [master gradients] in shardopt.optim.masters), landed first (:meth:`wait_for_grads`). Local: no
+        collective. Without masters it does nothing."""
         self._shard.collect_grads(self.params)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:

@@ -55,7 +55,7 @@ folds the rows (``OwnedRows.link_grads``, ``MasterWeights.fold_grads``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -143,13 +143,31 @@ class OwnerGrads:
         """Every local gradient was sent."""
         self._local_pending.clear()
 
-    def receive(self, param: nn.Parameter, reduced: torch.Tensor | None, grad_dtype: torch.dtype) -> None:
-        """Give the owner ``param``'s reduced gradient (``None``: no rank had one), in ``grad_dtype``:
-        for a split parameter, this rank's rows of it."""
-        holder = self._optim_of[param].grad_holder(param)
-        if holder is not param:  # a master or a split parameter's rows: Note [reduce into master gradients]
-            self._add_to_holder(param, holder, reduced)
-            return
+    def receive(self, grads: Sequence[tuple[nn.Parameter, torch.Tensor | None]], grad_dtype: torch.dtype) -> None:
+        """Give the owner each ``(param, reduced gradient)`` (``None``: no rank had one) of one bucket, in
+        ``grad_dtype``: for a split parameter, this rank's rows of it. The ones for a master or a split
+        parameter's rows go to their optimizer together, before their placeholders are left (Note [reduce into
+        master gradients] in grad_buckets; Note [one copy per bucket] in :mod:`shardopt.optim.flat_masters`)."""
+        held: list[tuple[nn.Parameter, torch.Tensor]] = []
+        settled: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for param, reduced in grads:
+            holder = self._optim_of[param].grad_holder(param)
+            if holder is param:
+                self._receive_own(param, reduced)
+                continue
+            assert holder is not None, f"[rank {self._rank}] {self._name_of(param)!r} was reduced here, but owns no rows"
+            self._local_sums.settle(param, holder)  # Note [placeholders for moved gradients] in shardopt.placeholders
+            settled.append((param, holder))
+            if reduced is not None:
+                held.append((param, reduced))
+        for opt in dict.fromkeys(self._optim_of[param] for param, _ in held):
+            opt.add_grads([(param, reduced) for param, reduced in held if self._optim_of[param] is opt])
+        for param, holder in settled:
+            self._local_sums.leave(param, holder)
+
+    def _receive_own(self, param: nn.Parameter, reduced: torch.Tensor | None) -> None:
+        """``param``'s reduced gradient into ``param.grad``, added to what was set aside (Note [owner's
+        gradient across backward passes])."""
         kept = self._set_aside.pop(param, None)
         if reduced is None:
             if kept is not None:
@@ -194,11 +212,3 @@ class OwnerGrads:
         rows) of a parameter that has masters, the row view of a split one; ``None`` elsewhere."""
         return self._optim_of[param].grad_holder(param) if param in self._elsewhere else None
 
-    def _add_to_holder(self, param: torch.Tensor, holder: torch.Tensor | None, reduced: torch.Tensor | None) -> None:
-        """Add the reduced gradient (rows) into ``holder.grad``; a master's placeholder is settled
-        before and left after (Note [placeholders for moved gradients] in shardopt.placeholders)."""
-        assert holder is not None, f"[rank {self._rank}] {self._name_of(param)!r} was reduced here, but owns no rows"
-        self._local_sums.settle(param, holder)
-        if reduced is not None:  # into a master's buffer in one copy (to the host under offload)
-            self._optim_of[param].add_grad(param, reduced)
-        self._local_sums.leave(param, holder)

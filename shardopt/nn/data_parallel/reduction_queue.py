@@ -28,8 +28,8 @@ from shardopt.streams import HostStreams, StreamOps
 
 __all__ = ["MAX_BYTES_IN_FLIGHT", "PassThroughQueue", "Receiver", "ReductionQueue"]
 
-Receiver = Callable[[nn.Parameter, torch.Tensor | None, torch.dtype], None]
-"""Where a reduced gradient goes: ``(param, reduced or None when no rank had one, its dtype)``."""
+Receiver = Callable[[Sequence[tuple[nn.Parameter, torch.Tensor | None]], torch.dtype], None]
+"""Where reduced gradients go: ``[(param, reduced or None when no rank had one), ...]`` of one bucket, their dtype."""
 
 # Note [reductions in flight]
 # Reductions stay in flight until their bytes pass two default buckets' worth (2 x 2**23
@@ -203,11 +203,13 @@ class ReductionQueue:
 
     def _hand_over(self, bucket: GradBucket, total: torch.Tensor) -> None:
         """Give the owner each gradient of its part ``total``, or keep it for :meth:`_decide`."""
+        decided = []
         for item in bucket.items(total, self._alone):
             if item.used is None:
-                self._receive(item.param, item.grad, bucket.spec.grad_dtype)
+                decided.append((item.param, item.grad))
             else:
                 self._undecided.append((item, bucket.spec.grad_dtype))
+        self._receive(decided, bucket.spec.grad_dtype)  # together: Note [one copy per bucket] in shardopt.optim.flat_masters
 
     def _replicate_part(self, bucket: GradBucket, total: torch.Tensor) -> None:
         """Launch the all-reduce of the owner's part across replicas (Note [hybrid reduction])."""
@@ -245,8 +247,9 @@ class ReductionQueue:
             return
         flags = torch.cat([item.used for item, _ in self._undecided if item.used is not None])
         used = flags.tolist()  # host-read: once per backward, Note [host reads per step]
-        for (item, dtype), count in zip(self._undecided, used, strict=True):
-            self._receive(item.param, item.grad if count > 0 else None, dtype)
+        for dtype in dict.fromkeys(dtype for _, dtype in self._undecided):
+            self._receive([(item.param, item.grad if count > 0 else None)
+                           for (item, of), count in zip(self._undecided, used, strict=True) if of == dtype], dtype)
         self._undecided.clear()
 
 
@@ -309,7 +312,7 @@ class PassThroughQueue:
         grad_dtype, wire = self._grad_dtype[param], self._wire_dtype[param]
         if wire.itemsize < grad.dtype.itemsize:
             grad = grad.to(wire)  # the rounding a narrower wire does at every world size
-        self._receive(param, grad if grad.dtype == grad_dtype else grad.to(grad_dtype), grad_dtype)
+        self._receive([(param, grad if grad.dtype == grad_dtype else grad.to(grad_dtype))], grad_dtype)
 
     def flush(self, take_local: Callable[[nn.Parameter], torch.Tensor | None]) -> None:
         """Hand over what ``take_local`` still has (``no_sync`` sums); tell the owner of every
@@ -321,7 +324,7 @@ class PassThroughQueue:
             if grad is not None:
                 self.add(param, grad)
             else:
-                self._receive(param, None, self._grad_dtype[param])
+                self._receive([(param, None)], self._grad_dtype[param])
         self.reset()
 
     def reset(self) -> None:
