@@ -4,8 +4,9 @@
 Below :mod:`shardopt.clipping`, :mod:`shardopt.optim` and :mod:`shardopt.nn`, which all
 import it: ShardedDataParallel (through its owner's-gradients object) leaves and takes
 placeholders, ``OSS`` takes them when it folds gradients into its masters, and shardopt's
-``clip_grad_norm_`` wrapper skips them. The only state is a weak map from a parameter to the
-placeholder left in its ``.grad`` and that placeholder's version counter when it was left.
+``clip_grad_norm_`` wrapper skips them. The only state is a map from a live parameter to the
+placeholder left in its ``.grad``, that placeholder's version counter when it was left, and
+whether it stands now (a taken one that nobody wrote to is left again, not made anew).
 
 Note [placeholders for moved gradients]
 Under ShardedDataParallel a low-precision parameter's gradient leaves ``param.grad`` before
@@ -41,10 +42,10 @@ placeholder (ShardedDataParallel settles it before accumulating), and setting ``
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["HeldElsewhere", "is_placeholder", "leave_placeholder", "take_placeholder"]
 
@@ -110,20 +111,43 @@ def _refusal(func: Any, placeholder: HeldElsewhere | None) -> str:
             "shardopt.grad_norms(model, optimizer) (call it on every rank), and clip with "
             "torch.nn.utils.clip_grad_norm_ or optimizer.clip_grad_norm; zero_grad() works as usual")
 
-# param -> (the placeholder left in its .grad, that placeholder's version when left)
-_placeholders = WeakIdKeyDictionary()
+class _Left:
+    """A parameter's placeholder, its version counter when it was left, and whether it stands
+    now (left and not yet taken). A taken placeholder that nobody wrote to is left again the
+    next time: ShardedDataParallel leaves one per owned parameter per backward pass, and
+    making a new one each time was most of the host time of a bucket's hand-over."""
+
+    __slots__ = ("fits", "placeholder", "standing", "version")
+
+    def __init__(self, placeholder: torch.Tensor, param: torch.Tensor) -> None:
+        self.placeholder = placeholder
+        self.version = placeholder._version
+        self.standing = True
+        self.fits = (param.dtype, param.device, param.shape)
+
+
+# id(param) -> _Left; an entry goes when its parameter dies (weakref.finalize). A plain dict: a
+# WeakIdKeyDictionary lookup makes and compares weak references in Python, several microseconds
+# per parameter per backward pass.
+_placeholders: dict[int, _Left] = {}
 
 
 def leave_placeholder(param: torch.Tensor) -> None:
     """Put a 2-byte zero placeholder in ``param.grad``: its gradient is held elsewhere
     (Note [placeholders for moved gradients])."""
-    held: tuple[torch.Tensor, int] | None = _placeholders.get(param)
-    if held is not None and param.grad is held[0] and held[0]._version == held[1]:
+    left = _placeholders.get(id(param))
+    if (left is not None and left.placeholder._version == left.version
+            and left.fits == (param.dtype, param.device, param.shape)):  # module.to() may have moved param since
+        if not left.standing or param.grad is not left.placeholder:
+            param.grad = left.placeholder  # the same zeros, unwritten: left again
+            left.standing = True
         return  # one placeholder stands for everything held for the parameter
     zeros = torch.zeros((), dtype=param.dtype, device=param.device).expand_as(param)
     placeholder = torch.Tensor._make_subclass(HeldElsewhere, zeros)
     param.grad = placeholder
-    _placeholders[param] = (placeholder, placeholder._version)
+    if left is None:
+        weakref.finalize(param, _placeholders.pop, id(param), None)
+    _placeholders[id(param)] = _Left(placeholder, param)
 
 
 def take_placeholder(param: torch.Tensor) -> bool:
@@ -134,17 +158,17 @@ def take_placeholder(param: torch.Tensor) -> bool:
         ``False`` when it was dropped, zeroed or replaced (the held gradient was discarded).
         A placeholder still in ``param.grad`` (even zeroed) is replaced by ``None``.
     """
-    held: tuple[torch.Tensor, int] | None = _placeholders.pop(param, None)
-    if held is None:
+    left = _placeholders.get(id(param))
+    if left is None or not left.standing:
         return True
-    placeholder, version = held
-    if param.grad is placeholder:
+    left.standing = False
+    if param.grad is left.placeholder:
         param.grad = None
-        return placeholder._version == version
+        return left.placeholder._version == left.version
     return False
 
 
 def is_placeholder(param: torch.Tensor) -> bool:
     """Whether ``param.grad`` is a placeholder (Note [placeholders for moved gradients])."""
-    held = _placeholders.get(param)
-    return held is not None and param.grad is held[0]
+    left = _placeholders.get(id(param))
+    return left is not None and left.standing and param.grad is left.placeholder

@@ -86,3 +86,30 @@ def test_a_placeholder_says_whether_the_held_gradient_still_stands() -> None:
         assert take_placeholder(p) is stands, what
         assert p.grad is None or not is_placeholder(p), what
         assert take_placeholder(p), what  # the check consumed it
+
+
+def test_a_taken_placeholder_nobody_wrote_to_is_left_again_and_a_written_or_stale_one_is_not() -> None:
+    """ShardedDataParallel leaves and takes a placeholder per owned parameter per backward pass:
+    the same unwritten one is left again; one zeroed in place, or one of another dtype (the module
+    was cast since), is replaced by a new one, and the checks still say what they said."""
+    from shardopt.optim.masters import is_placeholder, leave_placeholder, take_placeholder
+
+    p = nn.Parameter(torch.ones(3, 4, dtype=BF16))
+    leave_placeholder(p)
+    first = p.grad
+    assert take_placeholder(p) and p.grad is None
+    leave_placeholder(p)
+    assert p.grad is first and is_placeholder(p)  # left again
+    p.grad.zero_()  # type: ignore[union-attr]  # zero_grad(set_to_none=False): the held gradient is discarded
+    assert not take_placeholder(p)
+    leave_placeholder(p)
+    second = p.grad
+    assert second is not first and is_placeholder(p) and take_placeholder(p)
+    nn.ParameterList([p]).to(torch.float16)
+    leave_placeholder(p)
+    assert p.grad is not second and p.grad.dtype == torch.float16 and is_placeholder(p)  # type: ignore[union-attr]
+    assert take_placeholder(p) and take_placeholder(p)
+    from shardopt import placeholders
+    kept = len(placeholders._placeholders)
+    del p
+    assert len(placeholders._placeholders) == kept - 1  # nothing kept for a parameter that died
