@@ -325,6 +325,7 @@ def _convert(rank: int, world_size: int) -> dict[str, Any]:
     out["rebuild"] = message(lambda: to_oss(_Slow(model.parameters(), lr=0.1, slowdown=2.0)))
     out["defaults"] = message(lambda: to_oss(_Halving(model.parameters(), lr=0.2)))
     out["scheduler"] = message(lambda: rebind_scheduler(object(), model, model))  # type: ignore[arg-type]
+    out["oss_kwargs"] = message(lambda: to_oss(torch.optim.SGD(model.parameters(), lr=0.1), offlaod="cpu"))
     # State carries over: a stepped Adam, converted, steps on exactly as the original.
     adam = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(1, 2)).sum().backward()
@@ -342,6 +343,8 @@ def test_optimizers_that_cannot_be_sharded_are_refused_and_state_carries_over() 
     assert "cannot rebuild _Slow as OSS(params, optim=_Slow, **defaults)" in out["rebuild"]
     assert "rebuilding _Halving changed its defaults ['lr']" in out["defaults"]
     assert "cannot rebind LR scheduler object" in out["scheduler"]
+    # A misspelt OSS argument is named as such, not blamed on the optimizer's constructor.
+    assert "oss_kwargs ['offlaod'] are not OSS arguments ('offlaod': did you mean 'offload'?)" in out["oss_kwargs"]
     assert out["state"] == 0.0
 
 

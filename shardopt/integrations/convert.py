@@ -10,6 +10,7 @@ new optimizer. :func:`release` gives a framework back the plain module after ZeR
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import weakref
@@ -31,6 +32,9 @@ _REFUSED: dict[str, str] = {
 }
 
 _MISSING = object()
+# What oss_kwargs may name: OSS's own arguments (the rest of OSS's keywords go to the wrapped optimizer,
+# whose hyperparameters to_oss takes from the optimizer it rebuilds).
+_OSS_ARGUMENTS = frozenset(inspect.signature(OSS.__init__).parameters) - {"self", "params", "optim", "defaults"}
 
 
 def _constructor_kwargs(cls: type[Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +68,8 @@ def to_oss(optimizer: Optimizer, group: Any | None = None, **oss_kwargs: Any) ->
         The OSS; ``optimizer`` itself is left as it was.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or ``oss_kwargs`` names
+            something that is not an ``OSS`` argument.
         ValueError: the optimizer cannot step a shard (LBFGS, SparseAdam, an already
             sharded optimizer), its class cannot be rebuilt from its ``defaults``, or a
             rebuilt hyperparameter differs.
@@ -81,6 +86,14 @@ def to_oss(optimizer: Optimizer, group: Any | None = None, **oss_kwargs: Any) ->
     if why is not None:
         raise ValueError(f"cannot shard a {cls.__name__} with OSS: {why}; use another optimizer "
                          "(e.g. torch.optim.AdamW) or train without shardopt's ZeRO-1/2")
+    unknown = sorted(set(oss_kwargs) - _OSS_ARGUMENTS)
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, _OSS_ARGUMENTS, n=1) for k in unknown}
+        meant = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k, m in hints.items() if m)
+        raise TypeError(
+            f"oss_kwargs {unknown} are not OSS arguments{meant}; OSS takes {sorted(_OSS_ARGUMENTS)}. Set the "
+            f"optimizer's own hyperparameters on the torch optimizer you return (e.g. torch.optim.AdamW(..., lr=...))"
+        )
     groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
     kwargs = _constructor_kwargs(cls, optimizer.defaults)
     try:
