@@ -6,10 +6,7 @@ stays below the full model's size (Note [ZeRO-3 without the full model])."""
 from __future__ import annotations
 
 import ctypes
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import warnings
 from typing import Any
@@ -26,6 +23,7 @@ from shardopt.integrations.lightning import ZeRO3Strategy
 from shardopt.nn import FullyShardedDataParallel
 from shardopt.nn.fsdp import ModuleClassPolicy
 from shardopt.testing import run_ranks
+from tests.helpers.processes import call_in_fresh_interpreter
 
 pytestmark = pytest.mark.distributed
 
@@ -101,19 +99,10 @@ def _both(tmp: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 def test_meta_init_zero3_never_holds_the_full_model_on_a_rank() -> None:
-    # The ranks are forked from a fresh interpreter, not from this test process: a forked rank
-    # inherits its parent's heap, and a rank's allocations that reuse free parts of it (already
-    # resident) do not raise its peak. After earlier tests had grown and freed pytest's heap, the
-    # rank that builds the model in full gained 1.06x the model, then 0.22x (a test that freed
-    # 400 MB of small tensors first), where it gains 1.28x from a fresh parent.
-    code = ("import json, sys; from tests.test_integration_lightning_meta import _both; "
-            "print('RESULT ' + json.dumps(_both(sys.argv[1])))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The ranks are forked from a fresh interpreter, not from this test process (whose freed
+    # heap would hide part of what a rank allocates: call_in_fresh_interpreter).
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, "-c", code, tmp], cwd=root, capture_output=True, text=True,
-                              timeout=700, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-4000:]
-    on_meta, in_full = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+        on_meta, in_full = call_in_fresh_interpreter("tests.test_integration_lightning_meta:_both", tmp)
     print(f"\npeak gained / model: meta {[m['gained'] / FULL_BYTES for m in on_meta]}, "
           f"full {[f['gained'] / FULL_BYTES for f in in_full]}")
     full_numel = FULL_BYTES // 4
