@@ -27,7 +27,7 @@ from shardopt import checkpoint, comm
 from shardopt.nn import ShardedDataParallel
 from shardopt.optim import OSS, ShardedGradScaler
 from shardopt.testing import run_ranks
-from tests.helpers.kernels import optimizer_kernels, writes_into
+from tests.helpers.kernels import aten_calls, optimizer_kernels, writes_into
 from tests.helpers.masters import MasterReference, loss_of, sdp_reduce
 
 pytestmark = pytest.mark.distributed  # starts processes (ranks, launchers or subprocesses)
@@ -410,3 +410,33 @@ def test_reduced_gradients_land_in_one_copy_per_bucket_not_one_per_parameter(wor
             assert all(1 <= c <= buckets for c in counts), (rank, tag, counts, buckets)
             if buckets == 1:
                 assert counts == [1] * len(counts), (rank, tag, counts)
+
+
+def _one_rank_landing(rank: int, world_size: int) -> dict[str, Any]:
+    """At one rank ShardedDataParallel hands autograd's bf16 gradients straight to the masters."""
+    out: dict[str, Any] = {}
+    for offload in (None, "cpu"):
+        model = _deep(8)
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, master_dtype=F32, offload=offload, lr=1e-2)
+        sdp = ShardedDataParallel(model, opt)
+        casts, exact = [], True
+        grads: dict[torch.Tensor, torch.Tensor] = {}
+        for p in model.parameters():  # autograd's own bf16 gradient, as the queue receives it
+            p.register_hook(lambda g, p=p: grads.__setitem__(p, g.clone()))
+        for step in range(2):
+            opt.zero_grad()
+            loss = sdp(torch.randn(4, 64).to(BF16)).pow(2).mean()  # in bf16: backward casts nothing itself
+            casts.append(aten_calls(loss.backward, "aten::_to_copy"))
+            exact &= all(torch.equal(opt.master_of(p).grad, grads[p].float()) for p in model.parameters())
+            opt.step()
+        out[str(offload)] = {"casts": casts, "exact": exact}
+        sdp.close()
+    return out
+
+
+def test_at_one_rank_bf16_gradients_land_in_the_fp32_buffer_without_a_temporary_per_parameter() -> None:
+    # Note [one rank passes gradients through]: the copy into the master's segment widens each
+    # gradient (exactly); an fp32 temporary per parameter (a _to_copy each) was made before.
+    (out,) = run_ranks(_one_rank_landing, 1, timeout_s=120)
+    for offload, result in out.items():
+        assert result["casts"] == [0, 0] and result["exact"], (offload, result)

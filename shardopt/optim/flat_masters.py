@@ -299,6 +299,11 @@ class FlatGroup:
         else:  # a gradient put there from outside: it moves into the buffer at the step (take_grads)
             master.grad.add_(grad.to(master.grad.device))
 
+    def downloads_overlap(self, device: torch.device) -> bool:
+        """Whether a gradient from ``device`` comes to this (offloaded) group on a copy stream (Note
+        [offload copies on a side stream] in :mod:`shardopt.optim.offload_copies`)."""
+        return self._copies is not None and self._copies.overlaps(device)
+
     def add_grads(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
         """:meth:`add_grad` of each ``(index, gradient)`` in turn, but one copy into the buffer
         (or one addition to it) for each run of them that lies end to end both in one source

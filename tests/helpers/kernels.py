@@ -50,3 +50,22 @@ def writes_into(run: Callable[[], Any], targets: Callable[[], list[torch.Tensor]
         run()
     storages = {t.untyped_storage().data_ptr() for t in targets() if t.numel()}
     return sum(1 for s in mode.storages if s.nbytes() and s.data_ptr() in storages)
+
+
+class _Calls(TorchDispatchMode):
+    """Counts aten calls by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def aten_calls(run: Callable[[], Any], name: str) -> int:
+    """How many times the aten op ``name`` (e.g. ``"aten::_to_copy"``) ran during ``run()``."""
+    with _Calls() as mode:
+        run()
+    return mode.names.count(name)

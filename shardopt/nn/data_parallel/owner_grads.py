@@ -145,15 +145,17 @@ class OwnerGrads:
 
     def receive(self, grads: Sequence[tuple[nn.Parameter, torch.Tensor | None]], grad_dtype: torch.dtype) -> None:
         """Give the owner each ``(param, reduced gradient)`` (``None``: no rank had one) of one bucket, in
-        ``grad_dtype``: for a split parameter, this rank's rows of it. The ones for a master or a split
-        parameter's rows go to their optimizer together, before their placeholders are left (Note [reduce into
-        master gradients] in grad_buckets; Note [one copy per bucket] in :mod:`shardopt.optim.flat_masters`)."""
+        ``grad_dtype`` or, at one rank, narrower (widened where it lands): for a split parameter, this rank's
+        rows. The ones for a master or a split parameter's rows go to their optimizer together, before their
+        placeholders are left (Note [reduce into master gradients] in grad_buckets; Note [one copy per bucket]
+        in :mod:`shardopt.optim.flat_masters`)."""
         held: list[tuple[nn.Parameter, torch.Tensor]] = []
         settled: list[tuple[nn.Parameter, torch.Tensor]] = []
         for param, reduced in grads:
             holder = self._optim_of[param].grad_holder(param)
             if holder is param:
-                self._receive_own(param, reduced)
+                self._receive_own(param, reduced if reduced is None or reduced.dtype == grad_dtype
+                                  else reduced.to(grad_dtype))  # Note [one rank passes gradients through]
                 continue
             assert holder is not None, f"[rank {self._rank}] {self._name_of(param)!r} was reduced here, but owns no rows"
             self._local_sums.settle(param, holder)  # Note [placeholders for moved gradients] in shardopt.placeholders

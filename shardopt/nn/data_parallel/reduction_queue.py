@@ -29,7 +29,8 @@ from shardopt.streams import HostStreams, StreamOps
 __all__ = ["MAX_BYTES_IN_FLIGHT", "PassThroughQueue", "Receiver", "ReductionQueue"]
 
 Receiver = Callable[[Sequence[tuple[nn.Parameter, torch.Tensor | None]], torch.dtype], None]
-"""Where reduced gradients go: ``[(param, reduced or None when no rank had one), ...]`` of one bucket, their dtype."""
+"""Where reduced gradients go: ``[(param, reduced or None when no rank had one), ...]`` of one bucket, and the
+dtype they are owned in (at one rank a gradient may come narrower: Note [one rank passes gradients through])."""
 
 # Note [reductions in flight]
 # Reductions stay in flight until their bytes pass two default buckets' worth (2 x 2**23
@@ -260,7 +261,12 @@ class ReductionQueue:
 # the one left in ``param.grad``. The only arithmetic the buckets did that can change a bit is
 # a wire narrower than the gradient (``reduce_dtype=torch.bfloat16`` over fp32 parameters):
 # that rounding is kept, so a program gives the same result at one rank as before. Gradients
-# bound for fp32 master gradients are widened, exactly, as the bucket did. Everything else
+# bound for fp32 master gradients are handed over in their own dtype: the copy into the
+# master's segment widens them, exactly, as the bucket did, with no fp32 temporary per
+# parameter (OwnerGrads widens one that goes to ``param.grad``). Offloaded masters of CUDA
+# parameters take them widened on the device, as before: a bf16 download lands as a cast on
+# the host, and a second backward pass adding to it would wait there (one host wait more per
+# step under accumulation, as tests/test_offload_streams.py counts). Everything else
 # (set-aside gradients across backward passes, no_sync sums, placeholders, unused parameters
 # left untouched) is OwnerGrads' and does not change.
 
@@ -312,7 +318,7 @@ class PassThroughQueue:
         grad_dtype, wire = self._grad_dtype[param], self._wire_dtype[param]
         if wire.itemsize < grad.dtype.itemsize:
             grad = grad.to(wire)  # the rounding a narrower wire does at every world size
-        self._receive([(param, grad if grad.dtype == grad_dtype else grad.to(grad_dtype))], grad_dtype)
+        self._receive([(param, grad)], grad_dtype)  # widened where it lands: Note [one rank passes gradients through]
 
     def flush(self, take_local: Callable[[nn.Parameter], torch.Tensor | None]) -> None:
         """Hand over what ``take_local`` still has (``no_sync`` sums); tell the owner of every
