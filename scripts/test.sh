@@ -11,8 +11,8 @@ PIP_CONSTRAINT="$PWD/constraints.txt" DS_BUILD_OPS=0 .venv/bin/python -m pip ins
   --disable-pip-version-check torch==2.13.0 -e '.[dev]' </dev/null
 export OMP_NUM_THREADS=1
 # Tests run side by side, one per core up to 4 (pytest-xdist): a distributed test spends most of
-# its time starting ranks and waiting in collectives, not computing, so on 2 cores the suite ran
-# in about half its one-process time. SHARDOPT_TEST_WORKERS=0 runs everything in this process.
+# its time starting ranks and waiting in collectives, not computing: on 2 cores two workers ran
+# the suite in 13-16 minutes, one process in 24. SHARDOPT_TEST_WORKERS=0 runs it in this process.
 workers=${SHARDOPT_TEST_WORKERS:-$(python3 -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" "$@"

@@ -299,18 +299,23 @@ class FlatGroup:
         else:  # a gradient put there from outside: it moves into the buffer at the step (take_grads)
             master.grad.add_(grad.to(master.grad.device))
 
-    def downloads_overlap(self, device: torch.device) -> bool:
+    def _downloads_overlap(self, device: torch.device) -> bool:
         """Whether a gradient from ``device`` comes to this (offloaded) group on a copy stream (Note
         [offload copies on a side stream] in :mod:`shardopt.optim.offload_copies`)."""
         return self._copies is not None and self._copies.overlaps(device)
 
     def add_grads(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """:meth:`add_grad` of each ``(index, gradient)`` in turn, but one copy into the buffer
-        (or one addition to it) for each run of them that lies end to end both in one source
-        storage and in the buffer (Note [one copy per bucket]). Call under ``torch.no_grad()``."""
+        """:meth:`add_grad` of each ``(index, gradient)`` in turn (ShardedDataParallel's reduced
+        gradients), but one copy into the buffer (or one addition to it) for each run of them that
+        lies end to end both in one source storage and in the buffer (Note [one copy per bucket]).
+        Call under ``torch.no_grad()``."""
         run: list[tuple[int, torch.Tensor]] = []
         kind: str | None = None
         for index, grad in grads:
+            if grad.dtype != self.data.dtype and self._downloads_overlap(grad.device):
+                # Widened on the device (Note [one rank passes gradients through] in reduction_queue): one
+                # landing as a cast on the host would make the next backward pass of an accumulation wait there.
+                grad = grad.to(self.data.dtype)
             joins = self._joins_runs(index, grad)
             if run and (joins != kind or not self._follows(run[-1], index, grad)):
                 self._add_run(run, kind)
@@ -332,7 +337,7 @@ class FlatGroup:
         master = self.masters[index]
         if master.grad is None:
             return "copy"
-        if self.has_grad(index) and (self._copies is None or not self._copies.overlaps(grad.device)):
+        if self.has_grad(index) and not self._downloads_overlap(grad.device):
             return "add"
         return None
 

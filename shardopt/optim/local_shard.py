@@ -312,22 +312,17 @@ class LocalShard:
 
     @torch.no_grad()
     def add_grads(self, grads: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        """Add each ``(index, param, grad)`` (this rank's rows of ``params[index]``'s gradient, in the
-        holder's dtype or narrower) to the gradient the step reads: into its master's segment of the
-        gradient buffer, those of one group together (Note [one copy per bucket] in
+        """Add each ``(index, param, grad)`` (this rank's rows of ``params[index]``'s gradient; for a
+        master, in its dtype or narrower) to the gradient the step reads: into its master's segment of
+        the gradient buffer, those of one group together (Note [one copy per bucket] in
         :mod:`shardopt.optim.flat_masters`), else to its holder's ``.grad``."""
         by_group: dict[FlatGroup, list[tuple[int, torch.Tensor]]] = {}
         for index, param, grad in grads:
             flat_group = self.masters.group_of(index)
             if flat_group is not None:
-                if grad.dtype != flat_group.data.dtype and flat_group.downloads_overlap(grad.device):
-                    # Widened on the device (Note [one rank passes gradients through]): one landing as a cast on the
-                    # host would make the next backward pass of an accumulation wait for it there.
-                    grad = grad.to(flat_group.data.dtype)
                 by_group.setdefault(flat_group, []).append((index, grad))
                 continue
             holder = self.holder(index, param)
-            grad = grad if grad.dtype == holder.dtype else grad.to(holder.dtype)  # exact: a narrower one widens
             holder.grad = grad if holder.grad is None else holder.grad.add_(grad)
         for flat_group, in_group in by_group.items():
             flat_group.add_grads(in_group)

@@ -149,7 +149,7 @@ class OwnerGrads:
         rows. The ones for a master or a split parameter's rows go to their optimizer together, before their
         placeholders are left (Note [reduce into master gradients] in grad_buckets; Note [one copy per bucket]
         in :mod:`shardopt.optim.flat_masters`)."""
-        held: list[tuple[nn.Parameter, torch.Tensor]] = []
+        held: dict[OSS, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         settled: list[tuple[nn.Parameter, torch.Tensor]] = []
         for param, reduced in grads:
             holder = self._optim_of[param].grad_holder(param)
@@ -161,9 +161,9 @@ class OwnerGrads:
             self._local_sums.settle(param, holder)  # Note [placeholders for moved gradients] in shardopt.placeholders
             settled.append((param, holder))
             if reduced is not None:
-                held.append((param, reduced))
-        for opt in dict.fromkeys(self._optim_of[param] for param, _ in held):
-            opt.add_grads([(param, reduced) for param, reduced in held if self._optim_of[param] is opt])
+                held.setdefault(self._optim_of[param], []).append((param, reduced))
+        for opt, pairs in held.items():
+            opt.add_grads(pairs)
         for param, holder in settled:
             self._local_sums.leave(param, holder)
 
